@@ -1,0 +1,3 @@
+"""Placeholder until its issue lands: no commands yet."""
+
+commands = []
