@@ -1,3 +1,155 @@
-"""Placeholder until its issue lands: no commands yet."""
+"""`retention run`: generate under one or several retention policies on the dev split."""
 
-commands = []
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import click
+
+from retention.errors import RetentionError
+
+
+def _positive(name):
+    def check(ctx, param, value):
+        if value is not None and value <= 0:
+            raise click.BadParameter(f"must be > 0, got {value}", param_hint=name)
+        return value
+
+    return check
+
+
+def _scorer_list(value: tuple[str, ...]) -> list[str]:
+    names = [n.strip() for v in value for n in v.split(",") if n.strip()]
+    if not names:
+        raise RetentionError("--scorer needs at least one scorer name")
+    return list(dict.fromkeys(names))
+
+
+def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict, "Cadence"]:  # noqa: F821
+    """The full configuration of one arm, its scorer parameters and its cadence."""
+    from retention.cadence import Cadence, default_interval
+    from retention.scorers import get_scorer_class
+
+    cls = get_scorer_class(scorer)
+    fields = {f.name for f in dataclasses.fields(cls)} - {"seed"}
+    params = {k: v for k, v in options.items() if k in fields and v is not None}
+    scorer_obj = cls(**params)  # validates parameters now, not in the middle of a run
+    params = {k: getattr(scorer_obj, k) for k in sorted(fields) if not k.startswith("_")}
+    budget = base["budget"] if cls.evicts else None
+    if cls.evicts and budget is None:
+        raise RetentionError(f"--budget is required for scorer {scorer!r}")
+    interval = base["interval"] or (default_interval(budget) if budget else 0) or 1
+    sink = cls.default_sink if base["sink"] is None else base["sink"]
+    recent = cls.default_recent if base["recent"] is None else base["recent"]
+    if hasattr(scorer_obj, "min_recent"):
+        recent = max(recent, scorer_obj.min_recent())
+    cadence = Cadence(budget=budget, interval=interval, accounting=base["accounting"], sink=sink, recent=recent)
+    config = dict(base, scorer=scorer, scorer_params=params, budget=budget, interval=interval,
+                  sink=sink, recent=recent, nominal_b=cadence.nominal)
+    return config, params, cadence
+
+
+@click.command("run")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Model alias (r1-distill-qwen-7b, r1-distill-llama-8b, smollm2-135m, tiny-random) or a local folder.")
+@click.option("--scorer", "scorers", multiple=True, default=("alpha",), show_default=True,
+              help="Retention scorer; several as a comma list or repeated option run over the same problems.")
+@click.option("--baseline", default=None, help="Also run this scorer as the baseline arm (same seeds, same problems).")
+@click.option("--budget", type=int, callback=_positive("--budget"),
+              help="Cache budget B in tokens per (layer, KV head); its meaning depends on --accounting.")
+@click.option("--interval", type=int, callback=_positive("--interval"),
+              help="Compaction interval N (compact when the cache reaches b + N). Default: min(128, B).")
+@click.option("--accounting", type=click.Choice(["mean", "prefill", "peak"]), default="mean", show_default=True,
+              help="mean: B is the measured mean cache; peak: never above B; prefill: B right after compaction.")
+@click.option("--sink", type=int, default=None, help="Protected first tokens (default: the scorer's, 4 for streaming).")
+@click.option("--recent", type=int, default=None, help="Protected most recent tokens (default: the scorer's).")
+@click.option("--lambda", "lam", type=float, default=None, help="alpha/rkv: redundancy weight lambda (alpha 0.5, rkv 0.1).")
+@click.option("--radius", type=float, default=None, help="alpha: cosine radius under which no penalty applies (default 0).")
+@click.option("--window", type=int, default=None, help="snapkv/rkv/h2o: recent query/window size (default 8).")
+@click.option("--routing", type=click.Choice(["shared", "per-layer"]), default=None,
+              help="triattention/alpha: one kept set per KV head for all layers (shared) or per layer.")
+@click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None,
+              help="triattention/alpha: calibration statistics (default: the model's default location).")
+@click.option("--split", type=click.Choice(["dev", "confirm"]), default="dev", show_default=True,
+              help="Problems of this frozen split (confirm only through `retention confirm --plan`).")
+@click.option("--data", "data_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="MATH-500 JSONL (default: the copy shipped with the package); verified against the split manifest.")
+@click.option("--limit", type=int, default=None, callback=_positive("--limit"), help="Only the first N problems of the split.")
+@click.option("--samples", type=int, default=1, show_default=True, callback=_positive("--samples"), help="Samples k per problem.")
+@click.option("--max-new-tokens", type=int, default=8192, show_default=True, callback=_positive("--max-new-tokens"))
+@click.option("--temperature", type=float, default=0.6, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Base seed; each (problem, sample) derives its own.")
+@click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens (tests, benchmarks).")
+@click.option("--fidelity", is_flag=True, help="Also decode with the full cache and record per-step KL and top-1 agreement.")
+@click.option("--no-grade", is_flag=True, help="Do not grade records as they are written.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
+@click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, lam, radius, window, routing,
+                stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p, seed, ignore_eos,
+                fidelity, no_grade, dtype, device, out, quiet):
+    """Generate on the dev split under retention policies and write resumable run directories.
+
+    Rerunning the same command resumes: finished records are skipped.
+    """
+    if split == "confirm":
+        raise RetentionError("the confirm split is reachable only through a pre-registered plan: "
+                             "`retention preregister` then `retention confirm --plan PLAN.json`")
+    if temperature < 0 or not (0 < top_p <= 1):
+        raise RetentionError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if lam is not None and lam < 0:
+        raise RetentionError(f"--lambda must be >= 0, got {lam}")
+    names = _scorer_list(scorers)
+    if baseline and baseline not in names:
+        names.append(baseline)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
+    options = {"lam": lam, "radius": radius, "window": window, "routing": routing, "stats": stats_path}
+    base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
+            "accounting": accounting, "sink": sink, "recent": recent, "split": split, "data": data_path,
+            "limit": limit, "samples": samples, "seed": seed, "fidelity": fidelity, **sampling}
+    # Validate every arm before loading a model or touching the output folder.
+    arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
+    run_dirs = execute(model, dtype, device, arm_specs, split=split, data_path=data_path, limit=limit,
+                       samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
+                       out=Path(out), progress=not quiet)
+    for d in run_dirs:
+        click.echo(_summary_line(d))
+
+
+def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
+            out: Path, progress=True, problems=None, extra_config=None):
+    """Load the model and problems, open one run directory per arm, generate. Returns the run dirs."""
+    from protocol.splits import load_split
+    from retention.models import load_model
+    from retention.runner import Arm, open_run, run_arms
+
+    if problems is None:
+        problems = load_split(split, data_path=data_path)
+        if limit:
+            problems = problems[:limit]
+    loaded = load_model(model, dtype=dtype, device=device)
+    arms = []
+    for name, config, params, cadence in arm_specs:
+        config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
+        arms.append(Arm(open_run(out, config), name, params, cadence))
+    run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
+             grade=grade, progress=progress)
+    return [a.run.path for a in arms]
+
+
+def _summary_line(run_dir: Path) -> str:
+    recs = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+    n = len(recs)
+    correct = sum(1 for r in recs if r.get("verdict") is True)
+    mean_cache = sum(r["cache_mean_tokens"] for r in recs) / n if n else 0.0
+    tps = sum(r["tokens_per_second"] for r in recs) / n if n else 0.0
+    over = sum(1 for r in recs if r["budget_exceeded"])
+    return (f"{run_dir}: {n} records, accuracy {correct}/{n}, mean cache {mean_cache:.1f} tokens, "
+            f"{tps:.1f} tok/s, budget exceeded in {over}")
+
+
+commands = [run_command]

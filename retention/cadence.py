@@ -1,0 +1,97 @@
+"""Cadence: when to compact, and what `--budget` means.
+
+A policy keeps a nominal `b` tokens per (layer, KV head) right after a compaction and compacts when
+the stored length reaches `b + N` (interval `N`). Protected tokens (`sink` first positions, `recent`
+newest positions) count inside `b`.
+
+The decode step that follows a compaction attends to `b + 1` stored tokens (its own key included),
+so the attended length cycles through `b+1 .. b+N`: mean `b + (N+1)/2`, peak `b + N`. After prefill
+the prompt is compacted to `b` as soon as it is longer than `b`, so no decode step starts a cycle
+above `b + 1`, and the mean over any prefix of the generation is at most `b + (N+1)/2`.
+
+Accounting modes derive `b` from the budget `B`:
+
+* `mean` (default, this project's meaning of budget): `b = B - N//2 - 1`, so the measured mean
+  over the whole generation is at most `B` (exactly `B - 1/2` for even `N` over whole cycles).
+  The literature's `b = B - N/2` would overshoot by half a token because of the `+1` above.
+* `peak`: `b = B - N`: no decode step ever attends to more than `B` tokens.
+* `prefill`: `b = B`, the loose convention of published implementations (size right after a
+  compaction); the real mean is about `B + N/2`, which the meter reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from retention.errors import RetentionError
+
+ACCOUNTING_MODES = ("mean", "prefill", "peak")
+REFERENCE_INTERVAL = 128
+
+
+def default_interval(budget: int) -> int:
+    """The reference interval 128, shortened for small budgets (`min(128, B)`) so that mean
+    accounting leaves room: at B = 64, N = 128 would need a negative `b`."""
+    return min(REFERENCE_INTERVAL, budget)
+
+
+def nominal_budget(budget: int, interval: int, accounting: str) -> int:
+    """Tokens kept right after a compaction for budget `B`, interval `N` and an accounting mode."""
+    if accounting == "mean":
+        return budget - interval // 2 - 1
+    if accounting == "peak":
+        return budget - interval
+    if accounting == "prefill":
+        return budget
+    raise RetentionError(f"unknown accounting mode {accounting!r}; choose one of {', '.join(ACCOUNTING_MODES)}")
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """Interval cadence with a nominal target. `budget=None` means no eviction (the `full` row)."""
+
+    budget: int | None
+    interval: int
+    accounting: str = "mean"
+    sink: int = 0
+    recent: int = 0
+
+    def __post_init__(self):
+        if self.accounting not in ACCOUNTING_MODES:
+            raise RetentionError(
+                f"unknown accounting mode {self.accounting!r}; choose one of {', '.join(ACCOUNTING_MODES)}"
+            )
+        if self.interval <= 0:
+            raise RetentionError(f"--interval must be a positive number of tokens, got {self.interval}")
+        if self.sink < 0 or self.recent < 0:
+            raise RetentionError("--sink and --recent must be >= 0")
+        if self.budget is None:
+            return
+        if self.budget <= 0:
+            raise RetentionError(f"--budget must be a positive number of tokens, got {self.budget}")
+        floor = max(1, self.sink + self.recent + 1)
+        if self.nominal < floor:
+            raise RetentionError(
+                f"budget {self.budget} with interval {self.interval} in '{self.accounting}' accounting leaves "
+                f"b = {self.nominal} tokens after a compaction, below the {floor} needed by sink {self.sink} + "
+                f"recent {self.recent} + 1 scored token; use a smaller --interval or a larger --budget"
+            )
+
+    @property
+    def evicts(self) -> bool:
+        return self.budget is not None
+
+    @property
+    def nominal(self) -> int | None:
+        """`b`: tokens per (layer, KV head) right after a compaction."""
+        if self.budget is None:
+            return None
+        return nominal_budget(self.budget, self.interval, self.accounting)
+
+    def due(self, stored: int, prefill: bool) -> bool:
+        """Whether to compact now, given `stored` tokens per (layer, KV head) after a forward."""
+        if self.budget is None:
+            return False
+        if prefill:
+            return stored > self.nominal
+        return stored >= self.nominal + self.interval

@@ -1,0 +1,98 @@
+"""The budget meter: what the cache really held, step by step.
+
+At every decode step (one forward of one new token) the meter records the number of physically
+stored tokens per layer that the step attended to, its own key included (every KV head of a layer
+stores the same number, so one count per layer describes all of its heads). The prefill forward is
+recorded separately (`prefill_tokens`): it is prompt processing, not decoding, and it precedes the
+first compaction.
+
+Summaries: the mean over decode steps (the project's budget is this number), the peak, the final
+length, the number of compactions, and a per-step trace downsampled to at most `max_trace` points.
+Tokens convert to bytes with the model's cache geometry (`kib_per_token`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BudgetMeter:
+    """Per-step stored-token counts of one generation.
+
+    kib_per_token: KiB of K+V per stored token for the whole model at the run's dtype.
+    budget: the run's budget `B` (None for no eviction); `exceeded` compares the measured mean to it.
+    """
+
+    kib_per_token: float
+    budget: int | None = None
+    max_trace: int = 512
+    prefill_tokens: int = 0
+    compactions: int = 0
+    _sum: float = 0.0
+    _steps: int = 0
+    _peak: int = 0
+    _final: int = 0
+    _trace: list[tuple[int, float]] = field(default_factory=list)
+    _stride: int = 1
+
+    def record_prefill(self, lengths: list[int]) -> None:
+        self.prefill_tokens = max(lengths)
+        self._final = max(lengths)
+
+    def record(self, lengths: list[int]) -> None:
+        """Stored tokens per layer that the decode step just attended to."""
+        mean = sum(lengths) / len(lengths)
+        self._sum += mean
+        self._peak = max(self._peak, max(lengths))
+        self._final = max(lengths)
+        if self._steps % self._stride == 0:
+            self._trace.append((self._steps, mean))
+            if len(self._trace) > self.max_trace:
+                # Halve the resolution: keep every other point, double the stride.
+                self._trace = self._trace[::2]
+                self._stride *= 2
+        self._steps += 1
+
+    def note_compaction(self, lengths: list[int]) -> None:
+        self.compactions += 1
+        self._final = max(lengths)
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    @property
+    def mean(self) -> float:
+        """Mean stored tokens over decode steps; with no decode step, what the prefill left stored."""
+        return self._sum / self._steps if self._steps else float(self._final)
+
+    @property
+    def peak(self) -> int:
+        return self._peak if self._steps else self._final
+
+    @property
+    def final(self) -> int:
+        return self._final
+
+    @property
+    def exceeded(self) -> bool:
+        """The measured mean is above the budget (the project's definition, whatever the mode)."""
+        return self.budget is not None and self.mean > self.budget
+
+    def trace(self) -> tuple[list[int], list[float]]:
+        """(decode step indices, mean stored tokens across layers at that step), downsampled."""
+        return [s for s, _ in self._trace], [v for _, v in self._trace]
+
+    def summary(self) -> dict:
+        return {
+            "cache_mean_tokens": self.mean,
+            "cache_peak_tokens": self.peak,
+            "cache_final_tokens": self.final,
+            "cache_prefill_tokens": self.prefill_tokens,
+            "kib_per_token": self.kib_per_token,
+            "cache_mean_kib": self.mean * self.kib_per_token,
+            "budget_exceeded": self.exceeded,
+            "compactions": self.compactions,
+            "decode_steps": self.steps,
+        }

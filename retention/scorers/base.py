@@ -1,0 +1,70 @@
+"""The scorer interface and the shared top-k selector.
+
+A scorer maps the cache at a compaction (`CacheView`) to a score per candidate token: `[B, G, n]`
+when one kept set per KV head is shared by all layers, or `[L, B, G, n]` when it selects per layer
+(`per_layer = True`). Higher means keep. A selector turns scores into kept indices; the default
+is top-k per row with protected tokens forced in. Scorers that need more than the cache (recorded
+queries, accumulated attention) get it through `attach` (a context manager active for the whole
+generation), `observe` (called after every forward) and `compacted` (called with the kept indices so
+per-token state can follow the eviction).
+
+Adding a scorer: one module in this package with a class decorated by `@register("name")`, listed in
+`retention.scorers._MODULES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from retention.cache import CacheView
+
+
+def topk_keep(scores: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` best tokens per row, protected tokens first, sorted ascending.
+
+    scores: `[..., n]` float; protected: `[..., n]` bool (at most `k` per row). Returns `[..., k]` int64.
+    Ties go to the lower index (stable sort), the same rule as a greedy `argmax` pick, which is what
+    makes `alpha` at lambda = 0 reproduce this selection bit for bit.
+    """
+    s = scores.float().masked_fill(protected, float("inf"))
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(order, dim=-1).values
+
+
+@dataclass
+class Scorer:
+    """Base class: subclasses implement `score` (and optionally `select`, `attach`, `observe`)."""
+
+    name: ClassVar[str] = "base"
+    per_layer: ClassVar[bool] = False
+    # Protected tokens a scorer wants by default (the CLI's --sink / --recent override them).
+    default_sink: ClassVar[int] = 0
+    default_recent: ClassVar[int] = 0
+    # False for `full`: the policy never compacts.
+    evicts: ClassVar[bool] = True
+
+    def attach(self, model) -> contextlib.AbstractContextManager:
+        """Set-up for one generation on `model` (load statistics, start recording queries)."""
+        return contextlib.nullcontext()
+
+    def observe(self, cache, next_position: int) -> None:
+        """Called after every forward (prefill included), before any compaction."""
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        raise NotImplementedError
+
+    def select(self, scores: torch.Tensor, view: CacheView, k: int) -> torch.Tensor:
+        """Kept indices `[B, G, k]` (or `[L, B, G, k]` per layer), sorted ascending."""
+        protected = torch.stack(view.protected) if self.per_layer else view.protected[0]
+        return topk_keep(scores, protected, k)
+
+    def compacted(self, keep: torch.Tensor) -> None:
+        """Called with the kept indices after every compaction."""
+
+    def params(self) -> dict:
+        """Parameters recorded in the run configuration."""
+        return {}

@@ -1,0 +1,16 @@
+"""`streaming` (StreamingLLM, Xiao et al. 2023): `sink` first tokens plus the most recent ones."""
+
+from dataclasses import dataclass
+
+from retention.scorers import register
+from retention.scorers.base import Scorer
+
+
+@register("streaming")
+@dataclass
+class Streaming(Scorer):
+    default_sink = 4
+
+    def score(self, view):
+        """Score = absolute position `[B, G, n]`: top-k keeps the newest; sinks are protected."""
+        return view.positions[0].float()
