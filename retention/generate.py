@@ -65,7 +65,16 @@ class Generation:
     meter: BudgetMeter
     wall_seconds: float
     fidelity: Fidelity | None = None
+    decode_seconds: list[float] = field(default_factory=list)  # per decode forward
+    compaction_seconds: list[float] = field(default_factory=list)  # per compaction (scoring + gather)
     step_logits: list[torch.Tensor] | None = None  # only with keep_logits=True (tests)
+
+
+def _now(device: torch.device) -> float:
+    """Wall clock after the device's queued work is done (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _cache_kwarg(model) -> str:
@@ -121,7 +130,9 @@ def generate(
     out_ids: list[int] = []
     all_logits: list[torch.Tensor] | None = [] if keep_logits else None
     finish = "length"
-    t0 = time.perf_counter()
+    decode_s: list[float] = []
+    compact_s: list[float] = []
+    t0 = _now(device)
     with torch.inference_mode(), policy.attach(model):
         ids = torch.tensor([prompt_ids], device=device)
         pos = torch.arange(len(prompt_ids), device=device)[None]
@@ -130,7 +141,9 @@ def generate(
         if fid is not None:
             ref = forward_step(model, ids, pos, ref_cache, cache_kw)
             fid.add(ref, logits)
-        policy.after_forward(cache, len(prompt_ids), meter, prefill=True)
+        t_c = _now(device)
+        if policy.after_forward(cache, len(prompt_ids), meter, prefill=True):
+            compact_s.append(_now(device) - t_c)
         while True:
             if all_logits is not None:
                 all_logits.append(logits.clone())
@@ -146,9 +159,14 @@ def generate(
             position = len(prompt_ids) + len(out_ids) - 1
             ids = torch.tensor([[tok]], device=device)
             pos = torch.tensor([[position]], device=device)
+            t_step = _now(device)
             logits = forward_step(model, ids, pos, cache, cache_kw)
+            decode_s.append(_now(device) - t_step)
             meter.record(cache.stored_lengths())
             if fid is not None:
                 fid.add(forward_step(model, ids, pos, ref_cache, cache_kw), logits)
-            policy.after_forward(cache, position + 1, meter, prefill=False)
-    return Generation(out_ids, finish, meter, time.perf_counter() - t0, fid, all_logits)
+            t_c = _now(device)
+            if policy.after_forward(cache, position + 1, meter, prefill=False):
+                compact_s.append(_now(device) - t_c)
+    wall = _now(device) - t0
+    return Generation(out_ids, finish, meter, wall, fid, decode_s, compact_s, all_logits)

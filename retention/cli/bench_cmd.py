@@ -1,3 +1,54 @@
-"""Placeholder until its issue lands: no commands yet."""
+"""`retention bench`: speed, compaction cost, measured cache and agreement figures as JSON."""
 
-commands = []
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+@click.command("bench")
+@click.option("--model", default="smollm2-135m", show_default=True, help="Model alias or local folder.")
+@click.option("--scorers", default="full,streaming,random", show_default=True, help="Comma list of scorers.")
+@click.option("--budget", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--interval", type=click.IntRange(min=1), default=None, help="Default: min(128, budget).")
+@click.option("--accounting", default="mean", show_default=True, help="Comma list of accounting modes to measure.")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--problems", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Dev problems for the agreement-with-full measurement (0 = skip).")
+@click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None, help="Calibration stats for triattention/alpha.")
+@click.option("--lambda", "lam", type=float, default=None)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the figures to this JSON file.")
+def bench_command(model, scorers, budget, interval, accounting, new_tokens, problems, stats_path, lam, dtype, device,
+                  threads, out):
+    """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`."""
+    import torch
+
+    from protocol.splits import load_split
+    from retention.bench import run_bench
+    from retention.models import load_model
+    from retention.scorers import get_scorer_class
+
+    names = [s.strip() for s in scorers.split(",") if s.strip()]
+    for n in names:
+        get_scorer_class(n)  # fail fast on an unknown name
+    modes = [a.strip() for a in accounting.split(",") if a.strip()]
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_model(model, dtype=dtype, device=device)
+    dev = load_split("dev")
+    params = {k: v for k, v in {"stats": stats_path, "lam": lam}.items() if v is not None}
+    figures = run_bench(loaded, dev, names, budget, new_tokens, modes, problems, interval=interval, params=params,
+                        echo=click.echo)
+    figures["threads"] = torch.get_num_threads()
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(figures, indent=2) + "\n")
+        click.echo(f"wrote {out}")
+
+
+commands = [bench_command]

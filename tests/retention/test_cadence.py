@@ -1,0 +1,43 @@
+"""Budget semantics: the nominal b each accounting mode derives, and refused configurations."""
+
+import pytest
+
+from retention.cadence import Cadence, default_interval, nominal_budget
+from retention.errors import RetentionError
+
+
+def test_nominal_per_mode():
+    # mean: the cycle b+1..b+N has mean b + (N+1)/2 <= B
+    assert nominal_budget(128, 128, "mean") == 63
+    assert nominal_budget(128, 128, "peak") == 0
+    assert nominal_budget(128, 128, "prefill") == 128
+    for B in (64, 100, 128, 512):
+        for N in (1, 2, 7, 32, 64):
+            b = nominal_budget(B, N, "mean")
+            if b < 1:
+                continue
+            cycle_mean = b + (N + 1) / 2
+            assert cycle_mean <= B < cycle_mean + 1
+
+
+def test_default_interval_fits_small_budgets():
+    assert default_interval(512) == 128
+    assert default_interval(64) == 64
+    assert Cadence(64, default_interval(64)).nominal == 31
+
+
+def test_due():
+    c = Cadence(budget=100, interval=20, accounting="peak")  # b = 80
+    assert not c.due(80, prefill=True) and c.due(81, prefill=True)
+    assert not c.due(99, prefill=False) and c.due(100, prefill=False)
+    assert not Cadence(None, 1).due(10**6, prefill=False)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(budget=0, interval=8), dict(budget=-5, interval=8), dict(budget=64, interval=0),
+    dict(budget=64, interval=128), dict(budget=10, interval=4, sink=4, recent=8),
+    dict(budget=64, interval=8, accounting="median"),
+])
+def test_bad_cadence_refused(kwargs):
+    with pytest.raises(RetentionError):
+        Cadence(**kwargs)
