@@ -1,3 +1,350 @@
-"""Placeholder until its issue lands: no commands yet."""
+"""`retention stats | preregister | confirm | report`: the protocol half of the command line.
 
-commands = []
+The work is done in `protocol.stats`, `protocol.prereg` and `protocol.report`, imported inside the
+commands so that `retention --help` stays fast. `confirm` needs a generation runner (see
+`protocol.prereg`'s runner contract); it is taken from `--runner MODULE:FUNCTION`, else from
+`protocol.prereg.DEFAULT_RUNNER`, else from `retention.cli.run_cmd.confirm_runner` when the
+runtime provides one.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import click
+
+from protocol.errors import ProtocolError
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def current_code_version() -> str:
+    """`retention` version plus the git commit of this checkout (`.dirty` for local edits)."""
+    from retention import __version__
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return __version__
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}  # read-only: never refresh the index
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=5, env=env, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=5, env=env, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return __version__
+    return f"{__version__}+g{sha}{'.dirty' if dirty else ''}"
+
+
+def _parse_value(text: str):
+    """JSON when it parses (numbers, true, null, objects), else the plain string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _key_values(items, what: str) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.ClickException(f"{what}: {item!r} is not KEY=VALUE")
+        out[key] = _parse_value(value)
+    return out
+
+
+def _arm_config(text: str | None, sets, what: str) -> dict:
+    """An arm configuration from JSON (inline or @file) plus dotted KEY=VALUE settings."""
+    cfg = {}
+    if text:
+        raw = Path(text[1:]).read_text(encoding="utf-8") if text.startswith("@") else text
+        try:
+            cfg = json.loads(raw)
+        except ValueError as exc:
+            raise click.ClickException(f"{what}: not JSON ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise click.ClickException(f"{what}: must be a JSON object")
+    for key, value in _key_values(sets, what + "-set").items():
+        node = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return cfg
+
+
+def _budget(text: str):
+    if text.lower() in ("full", "none"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise click.ClickException(f"--budget: {text!r} is not an integer or 'full'") from None
+    if value <= 0:
+        raise click.ClickException(f"--budget: budget must be > 0, got {value}")
+    return value
+
+
+def _read_csv_columns(path: Path, columns: list[str]) -> dict[str, list[str]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        missing = [c for c in columns if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ProtocolError(f"{path}: no column(s) {missing} (has {reader.fieldnames})")
+        rows = list(reader)
+    return {c: [r[c] for r in rows] for c in columns}
+
+
+def _outcomes(values: list[str], column: str) -> list:
+    table = {"1": 1, "0": 0, "1.0": 1, "0.0": 0, "true": 1, "false": 0}
+    out = []
+    for i, v in enumerate(values):
+        key = (v or "").strip().lower()
+        if key not in table:
+            raise ProtocolError(f"column {column}, data row {i + 1}: {v!r} is not a 0/1 outcome "
+                                "(record failed generations as 0)")
+        out.append(table[key])
+    return out
+
+
+def _fmt_p(p) -> str:
+    return "--" if p is None else (f"{p:.4g}" if p >= 1e-4 else f"{p:.2e}")
+
+
+def _stats_table(r: dict, title: str) -> str:
+    pp = lambda x: f"{100 * x:+.2f} pp"  # noqa: E731
+    ci = lambda c: f"[{100 * c[0]:+.2f}, {100 * c[1]:+.2f}] pp"  # noqa: E731
+    rows = [
+        ("problems n, generations k", f"{r['n']}, {r['k']}"),
+        ("accuracy treatment / baseline",
+         f"{100 * r['acc_treatment']:.2f}% / {100 * r['acc_baseline']:.2f}%"),
+        ("mean paired difference", pp(r["estimate"])),
+        ("clustered SE", f"{100 * r['se']:.2f} pp"),
+        ("p cluster bootstrap (primary)",
+         f"{_fmt_p(r['p_bootstrap'])} ± {r['p_bootstrap_mc_se']:.2g} MC SE "
+         f"(B={r['boot']}{', escalated' if r['boot_escalated'] else ''}, seed={r['seed']})"),
+        ("95% CI (percentile)", ci(r["ci95"])),
+        (f"{100 * r['ci_bonferroni_level']:.4g}% CI (Bonferroni)", ci(r["ci_bonferroni"])),
+        (f"p Bonferroni (m={r['m']})", _fmt_p(r["p_bonferroni"])),
+        ("p Holm" + ("" if r["holm_exact"] else " (bound)"), _fmt_p(r["p_holm"])),
+        ("p clustered z", f"{_fmt_p(r['p_z'])} (z = {r['z']:+.3f})"),
+        (f"p sign-flip ({r['signflip_method']})", _fmt_p(r["p_signflip"])),
+        ("p exact McNemar", _fmt_p(r["p_mcnemar"]) if r["k"] == 1 else "refused (k > 1)"),
+        (f"MDE (alpha={r['alpha_cell']:.4g}, power {r['power']:.0%})", f"{100 * r['mde']:.2f} pp"),
+        (f"verdict (p <= {r['alpha_cell']:.4g})", r["verdict"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([title, *(f"  {k.ljust(width)}  {v}" for k, v in rows),
+                      *(f"  note: {n}" for n in r["notes"])])
+
+
+# --------------------------------------------------------------------------------------------------
+# stats
+
+
+@click.command("stats")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--treatment", required=True, help="Column of the treatment arm's 0/1 outcomes.")
+@click.option("--baseline", required=True, help="Column of the baseline arm's 0/1 outcomes.")
+@click.option("--cluster", required=True, help="Column identifying the problem (the cluster).")
+@click.option("--sample", default=None, help="Column of the generation index (refuses duplicates).")
+@click.option("--boot", type=click.IntRange(min=1), default=100_000, show_default=True,
+              help="Cluster-bootstrap resamples.")
+@click.option("--boot-max", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Resamples used instead when p is within 3 MC SEs of alpha/m.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Resampling seed.")
+@click.option("--cells", "m", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Number m of pre-registered cells (Bonferroni over m).")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
+              show_default=True, help="Family-wise significance level.")
+@click.option("--other-p", type=float, multiple=True,
+              help="Primary p-value of another cell (give m-1 of them for an exact Holm p).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def stats_cmd(file, treatment, baseline, cluster, sample, boot, boot_max, seed, m, alpha, other_p,
+              as_json):
+    """Paired test of TREATMENT vs BASELINE columns of FILE.csv, clustered by problem."""
+    from protocol import stats
+
+    cols = _read_csv_columns(file, [cluster, treatment, baseline] + ([sample] if sample else []))
+    data = stats.paired_from_long(cols[cluster], _outcomes(cols[treatment], treatment),
+                                  _outcomes(cols[baseline], baseline),
+                                  cols[sample] if sample else None)
+    result = stats.paired_test(data, alpha=alpha, m=m, boot=boot, boot_max=boot_max, seed=seed,
+                               other_p=list(other_p) or None).to_dict()
+    if as_json:
+        from protocol.report import json_safe  # infinite z (zero SE) becomes null: strict JSON
+
+        click.echo(json.dumps(json_safe({"file": str(file), "treatment": treatment,
+                                         "baseline": baseline, "cluster": cluster, **result})))
+    else:
+        click.echo(_stats_table(result, f"{treatment} vs {baseline} in {file.name}, "
+                                        f"clustered by {cluster}"))
+
+
+# --------------------------------------------------------------------------------------------------
+# preregister
+
+
+@click.command("preregister")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Plan file (*.json), or a directory to write plan-<hash12>.json into.")
+@click.option("--model", "models", multiple=True, required=True, help="Model of the cells (repeat).")
+@click.option("--budget", "budgets", multiple=True, required=True,
+              help="Budget of the cells: tokens or 'full' (repeat).")
+@click.option("--treatment", default=None, help="Treatment configuration: JSON or @file.json.")
+@click.option("--treatment-set", multiple=True,
+              help="Treatment KEY=VALUE (dotted keys nest: scorer_params.lambda=0.5).")
+@click.option("--baseline", default=None, help="Baseline configuration: JSON or @file.json.")
+@click.option("--baseline-set", multiple=True, help="Baseline KEY=VALUE (dotted keys nest).")
+@click.option("-k", "--samples", type=click.IntRange(min=1), required=True,
+              help="Generations per problem and arm.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed of the runs.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), required=True,
+              help="Generation token limit.")
+@click.option("--test", type=click.Choice(["cluster-bootstrap"]), default="cluster-bootstrap",
+              show_default=True, help="Primary test.")
+@click.option("--boot", type=click.IntRange(min=1), default=100_000, show_default=True,
+              help="Bootstrap resamples.")
+@click.option("--boot-max", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Resamples when p is near the threshold.")
+@click.option("--boot-seed", type=int, default=0, show_default=True, help="Resampling seed.")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
+              show_default=True, help="Family-wise significance level.")
+@click.option("--m", "m", type=click.IntRange(min=1), default=None,
+              help="Bonferroni family size [default: number of cells].")
+@click.option("--model-revision", multiple=True, help="MODEL=REVISION pin (repeat).")
+@click.option("--manifest-hash", default=None,
+              help="Split manifest sha256 [default: read from the committed splits].")
+@click.option("--code-version", default=None, help="Code version [default: version + git commit].")
+@click.option("--config-schema", type=int, default=None, help="Configuration schema version.")
+@click.option("--note", default=None, help="Free text stored in the plan.")
+def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, baseline_set, samples,
+                    seed, max_new_tokens, test, boot, boot_max, boot_seed, alpha, m,
+                    model_revision, manifest_hash, code_version, config_schema, note):
+    """Write a content-hashed pre-registration plan for a confirm run."""
+    from protocol import prereg
+
+    manifest = manifest_hash or prereg._current_manifest_hash()
+    plan = prereg.build_plan(
+        models=models, budgets=[_budget(b) for b in budgets],
+        treatment=_arm_config(treatment, treatment_set, "--treatment"),
+        baseline=_arm_config(baseline, baseline_set, "--baseline"), k=samples, seed=seed,
+        max_new_tokens=max_new_tokens, manifest_hash=manifest,
+        code_version=code_version or current_code_version(), boot=boot, boot_max=boot_max,
+        boot_seed=boot_seed, alpha=alpha, m=m, test=test,
+        config_schema=prereg.CONFIG_SCHEMA_VERSION if config_schema is None else config_schema,
+        model_revisions={k: str(v) for k, v in _key_values(model_revision, "--model-revision").items()},
+        note=note)
+    path, h, written = prereg.write_plan(plan, out)
+    state = "registered" if written else "already registered (unchanged)"
+    click.echo(f"plan {h[:12]} {state}: {path}")
+    click.echo(f"  {len(plan['cells'])} cell(s): {', '.join(c['id'] for c in plan['cells'])}; "
+               f"k={plan['k']}, B={plan['test']['boot']}, alpha={plan['test']['alpha']}, "
+               f"m={plan['test']['m']}")
+    click.echo(f"  sha256 {h}")
+
+
+# --------------------------------------------------------------------------------------------------
+# confirm
+
+
+def _resolve_runner(spec: str | None):
+    from protocol import prereg
+
+    if spec:
+        module, sep, name = spec.partition(":")
+        if not sep:
+            raise click.ClickException(f"--runner: expected MODULE:FUNCTION, got {spec!r}")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise click.ClickException(f"cannot load runner {spec}: {exc}") from None
+    if prereg.DEFAULT_RUNNER is not None:
+        return prereg.DEFAULT_RUNNER
+    try:
+        runner = getattr(importlib.import_module("retention.cli.run_cmd"), "confirm_runner", None)
+    except ImportError:
+        runner = None
+    if runner is None:
+        raise click.ClickException("no generation runner is available for confirm "
+                                   "(the runtime has not installed one; see --runner)")
+    return runner
+
+
+@click.command("confirm")
+@click.option("--plan", "plan_path", required=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Registered plan file.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Confirm directory (ledger, deviations, runs) [default: results/confirm/plan-<hash12>].")
+@click.option("--cell", "cells", multiple=True,
+              help="Only these cell ids [default: every cell not yet confirmed].")
+@click.option("--override", "overrides", multiple=True,
+              help="KEY=VALUE change to the registered configuration (a logged deviation).")
+@click.option("--reason", default=None, help="Why the overrides are needed (required with them).")
+@click.option("--manifest-hash", default=None,
+              help="Split manifest sha256 [default: read from the committed splits].")
+@click.option("--code-version", default=None, help="Code version [default: version + git commit].")
+@click.option("--config-schema", type=int, default=None, help="Configuration schema version.")
+@click.option("--runner", "runner_spec", default=None,
+              help="Generation runner as MODULE:FUNCTION [default: the runtime's].")
+def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
+                config_schema, runner_spec):
+    """Run a registered plan's cells on the confirm split and record them in the ledger."""
+    from protocol import prereg
+
+    plan, h = prereg.load_plan(plan_path)
+    runner = _resolve_runner(runner_spec)
+    out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
+    entries = prereg.confirm(
+        plan_path, out, runner, manifest_hash=manifest_hash,
+        code_version=code_version or current_code_version(),
+        config_schema=prereg.CONFIG_SCHEMA_VERSION if config_schema is None else config_schema,
+        cells=list(cells) or None, overrides=_key_values(overrides, "--override") or None,
+        reason=reason, log=click.echo)
+    click.echo(f"{len(entries)} cell(s) confirmed under plan {h[:12]}; ledger: "
+               f"{prereg.ledger_path(out)}")
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+
+
+@click.command("report")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--baseline", default=None,
+              help="Baseline run (id, directory or scorer) [default: triattention, else the first].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("report"),
+              show_default=True, help="Output directory.")
+@click.option("--boot", type=click.IntRange(min=1), default=100_000, show_default=True,
+              help="Cluster-bootstrap resamples.")
+@click.option("--boot-max", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+              help="Resamples used when p is within 3 MC SEs of alpha/m.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Resampling seed.")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
+              show_default=True, help="Family-wise significance level.")
+@click.option("--m", "m", type=click.IntRange(min=1), default=None,
+              help="Bonferroni family size [default: the plan's m, else the number of comparisons].")
+@click.option("--confirm-dir", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Confirm directory whose ledger and deviation log to include.")
+def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_dir):
+    """Paired statistics, LaTeX/CSV tables, figures and diagnostics for RUN_DIRS."""
+    from protocol import report
+
+    rep = report.build_report(run_dirs, baseline=baseline, boot=boot, boot_max=boot_max,
+                              seed=seed, alpha=alpha, m=m, confirm_dirs=confirm_dir)
+    written = report.write_report(rep, out)
+    click.echo(report.terminal_summary(rep))
+    click.echo(f"wrote {len(written)} file(s) to {out}: {', '.join(p.name for p in written)}")
+
+
+commands = [stats_cmd, preregister_cmd, confirm_cmd, report_cmd]
