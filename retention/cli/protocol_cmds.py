@@ -241,7 +241,7 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
         max_new_tokens=max_new_tokens, manifest_hash=manifest,
         code_version=code_version or current_code_version(), boot=boot, boot_max=boot_max,
         boot_seed=boot_seed, alpha=alpha, m=m, test=test,
-        config_schema=prereg.CONFIG_SCHEMA_VERSION if config_schema is None else config_schema,
+        config_schema=_runtime_schema() if config_schema is None else config_schema,
         model_revisions={k: str(v) for k, v in _key_values(model_revision, "--model-revision").items()},
         note=note)
     path, h, written = prereg.write_plan(plan, out)
@@ -308,7 +308,7 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     entries = prereg.confirm(
         plan_path, out, runner, manifest_hash=manifest_hash,
         code_version=code_version or current_code_version(),
-        config_schema=prereg.CONFIG_SCHEMA_VERSION if config_schema is None else config_schema,
+        config_schema=_runtime_schema() if config_schema is None else config_schema,
         cells=list(cells) or None, overrides=_key_values(overrides, "--override") or None,
         reason=reason, log=click.echo)
     click.echo(f"{len(entries)} cell(s) confirmed under plan {h[:12]}; ledger: "
@@ -348,3 +348,10 @@ def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_
 
 
 commands = [stats_cmd, preregister_cmd, confirm_cmd, report_cmd]
+
+
+def _runtime_schema() -> int:
+    """The runtime's configuration schema version: what a registered arm configuration means."""
+    from retention.runner import CONFIG_SCHEMA_VERSION
+
+    return CONFIG_SCHEMA_VERSION

@@ -152,4 +152,47 @@ def _summary_line(run_dir: Path) -> str:
             f"{tps:.1f} tok/s, budget exceeded in {over}")
 
 
+# Keys a pre-registered arm configuration may set (the rest come from the plan: model, budget,
+# samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
+# so that `confirm` can compare what was planned with what ran, key by key.
+_ARM_KEYS = {"scorer", "scorer_params", "interval", "accounting", "sink", "recent", "temperature", "top_p",
+             "dtype", "device", "data", "limit", "fidelity", "ignore_eos"}
+
+
+def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path) -> Path:
+    """The generation runner of `retention confirm` (contract in `protocol.prereg`).
+
+    Runs one arm of one registered cell on the confirm split through the same code as
+    `retention run`, resuming an interrupted run; returns its run directory.
+    """
+    from protocol.splits import load_split
+
+    cfg = dict(arm_config)
+    unknown = sorted(set(cfg) - _ARM_KEYS - {"model", "budget", "samples", "seed", "max_new_tokens", "split",
+                                             "plan_hash", "model_revision"})
+    if unknown:
+        raise RetentionError(f"plan arm configuration has unknown key(s) {unknown}; allowed: {sorted(_ARM_KEYS)}")
+    if cfg.get("split") != "confirm":
+        raise RetentionError("confirm_runner runs the confirm split only")
+    params = dict(cfg.get("scorer_params") or {})
+    sampling = {"max_new_tokens": int(cfg["max_new_tokens"]), "temperature": float(cfg.get("temperature", 0.6)),
+                "top_p": float(cfg.get("top_p", 0.95)), "ignore_eos": bool(cfg.get("ignore_eos", False))}
+    base = {"model": cfg["model"], "dtype": cfg.get("dtype", "float32"), "device": cfg.get("device", "cpu"),
+            "budget": cfg.get("budget"), "interval": cfg.get("interval"), "accounting": cfg.get("accounting", "mean"),
+            "sink": cfg.get("sink"), "recent": cfg.get("recent"), "split": "confirm", "data": cfg.get("data"),
+            "limit": cfg.get("limit"), "samples": int(cfg["samples"]), "seed": int(cfg["seed"]),
+            "fidelity": bool(cfg.get("fidelity", False)), **sampling}
+    spec = (cfg["scorer"], *build_arm_config(base, cfg["scorer"], params))
+    problems = load_split("confirm", data_path=base["data"])
+    if base["limit"]:
+        problems = problems[: int(base["limit"])]
+    # A pinned model revision that differs from the loaded one shows up as a logged deviation.
+    extra = {"plan_hash": cfg["plan_hash"]}
+    dirs = execute(base["model"], base["dtype"], base["device"], [spec], split="confirm", data_path=base["data"],
+                   limit=base["limit"], samples=base["samples"], seed=base["seed"], sampling=sampling,
+                   fidelity=base["fidelity"], grade=True, out=Path(out_dir), progress=True, problems=problems,
+                   extra_config=extra)
+    return dirs[0]
+
+
 commands = [run_command]
