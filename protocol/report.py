@@ -232,7 +232,14 @@ def summarize_run(run: Run) -> dict:
         "ungradable": int(sum(r.get("verdict") is None for r in recs)),
         "kl_mean": _mean(f.get("kl_mean") for f in fid) if fid else float("nan"),
         "top1_agreement": _mean(f.get("top1_agreement") for f in fid) if fid else float("nan"),
+        "kl_max": _mean(f.get("kl_max") for f in fid) if fid else float("nan"),
+        # first step whose top-1 differs from the full cache; a record that never diverges counts
+        # as its length (so the median is not biased towards the records that did diverge)
+        "first_divergence_median": (float(np.median([f["first_divergence_step"] if f.get("first_divergence_step")
+                                                     is not None else f.get("steps", 0) for f in fid]))
+                                    if fid else float("nan")),
         "fidelity_records": len(fid),
+        "tokens_per_second": _mean(r.get("tokens_per_second") for r in recs),
         "plan_hash": run.plan_hash, "code_version": run.meta.get("code_version"),
         "model_revision": run.config.get("model_revision"), "path": str(run.path),
     }
@@ -282,16 +289,24 @@ def _match_baseline(runs: list[Run], baseline: str | None) -> Run:
 
 
 def plan_comparisons(runs: list[Run], baseline: str | None = None) -> tuple[list, list]:
-    """Pairs (treatment, baseline) per cell, and notes about cells without a baseline run."""
+    """Pairs (treatment, baseline) per cell, and notes about cells without a baseline run.
+
+    A run without a budget (`full`, no eviction) is a reference for every budget of its model: it
+    joins each of that model's cells as a possible baseline and is never a treatment there.
+    """
     ref = _match_baseline(runs, baseline)
+    budgeted = {r.model for r in runs if r.budget is not None}
+    unbudgeted = [r for r in runs if r.budget is None and r.model in budgeted]
     cells: dict = {}
     for run in runs:
-        cells.setdefault(run.cell, []).append(run)
+        if run not in unbudgeted:
+            cells.setdefault(run.cell, []).append(run)
     pairs, notes = [], []
     models = list(dict.fromkeys(r.model for r in runs))
     for key in sorted(cells, key=lambda c: (models.index(c[0]), _budget_key(c[1]))):
         members = cells[key]
-        bases = [r for r in members if r.signature == ref.signature]
+        shared = [r for r in unbudgeted if r.model == key[0]]
+        bases = [r for r in members + shared if r.signature == ref.signature]
         if not bases:
             notes.append(f"cell {key[0]} / budget {key[1]}: no {ref.label} baseline run; not compared")
             continue
@@ -554,6 +569,10 @@ def proxy_agreement(arms: list[dict]) -> tuple[list[dict], list[dict]]:
 # Rendering
 
 
+def _fmt_num(x, fmt: str) -> str:
+    return "-" if x is None or not np.isfinite(x) else format(x, fmt)
+
+
 def _fmt_budget(b) -> str:
     return "full" if b is None else str(b)
 
@@ -572,7 +591,15 @@ def _text_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def terminal_summary(rep: Report) -> str:
-    """A compact text table of the comparisons and one line per diagnostic."""
+    """A compact text table of the arms, one of the comparisons, and one line per diagnostic."""
+    arm_head = ["arm", "model", "budget", "acct", "acc %", "mean cache", "peak", "KiB mean", "out len",
+                "trunc %", "KL mean", "top-1 %", "1st div", "tok/s"]
+    arm_body = [[a["label"], a["model"], _fmt_budget(a["budget"]), a["accounting"], f"{100 * a['accuracy']:.1f}",
+                 f"{a['cache_mean_tokens']:.1f}", f"{a['cache_peak_tokens']:.0f}", f"{a['cache_mean_kib']:.0f}",
+                 f"{a['mean_output_tokens']:.0f}", f"{100 * a['truncation_rate']:.0f}",
+                 _fmt_num(a["kl_mean"], ".4f"), _fmt_num(100 * a["top1_agreement"], ".1f"),
+                 _fmt_num(a["first_divergence_median"], ".0f"), f"{a['tokens_per_second']:.1f}"]
+                for a in rep.arms]
     head = ["model", "budget", "treatment vs baseline", "acct", "acc T", "acc B", "Δ pp",
             "95% CI", "p", "p_bonf", "verdict", "n", "k"]
     body = [[r["model"], _fmt_budget(r["budget"]), f"{r['treatment']} vs {r['baseline']}",
@@ -580,7 +607,8 @@ def terminal_summary(rep: Report) -> str:
              f"{r['delta_pp']:+.2f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
              _fmt_p(r["p_bootstrap"]), _fmt_p(r["p_bonferroni"]), r["verdict"], str(r["n"]),
              str(r["k"])] for r in rep.comparisons]
-    out = [_text_table(head, body),
+    out = [_text_table(arm_head, arm_body), "",
+           _text_table(head, body),
            f"cluster bootstrap B={rep.settings['boot']} seed={rep.settings['seed']}, "
            f"Bonferroni over m={rep.settings['m']} at alpha={rep.settings['alpha']}"]
     for a in rep.accounting:
@@ -589,8 +617,12 @@ def terminal_summary(rep: Report) -> str:
                    f"{a['delta_mean_pp']:+.2f} pp under mean"
                    + ("  <- gain vanishes at equal mean cache" if a["gain_vanishes"] else ""))
     for c in rep.proxy_corr:
-        out.append(f"proxy {c['proxy']}: Spearman rho = {c['spearman_rho']:+.2f} with accuracy "
-                   f"over {c['n_configs']} configurations (p = {_fmt_p(c['p'])})")
+        if np.isfinite(c["spearman_rho"]):
+            out.append(f"proxy {c['proxy']}: Spearman rho = {c['spearman_rho']:+.2f} with accuracy "
+                       f"over {c['n_configs']} configurations (p = {_fmt_p(c['p'])})")
+        else:
+            out.append(f"proxy {c['proxy']}: correlation with accuracy undefined over {c['n_configs']} "
+                       "configurations (accuracy or proxy constant)")
     prov = rep.provenance
     if prov["plan_hashes"]:
         out.append(f"plan: {', '.join(h[:12] for h in prov['plan_hashes'])}; "
