@@ -1,3 +1,174 @@
-"""Placeholder until its issue lands: no commands yet."""
+"""`retention splits verify|show` and `retention grade`: frozen splits and answer grading.
 
-commands = []
+Everything heavy (the data, sympy, the grading workers) is imported inside the commands, so
+`retention --help` stays fast. Expected failures raise `ProtocolError` / `click.ClickException`,
+which the CLI prints as one line with exit status 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from protocol.errors import ProtocolError
+
+_DATA_HELP = "MATH-500 JSONL to use (default: the verified copy shipped in the package)."
+_SPLITS_HELP = "Directory holding the split manifest (default: splits/ at the repository root)."
+
+
+@click.group("splits")
+def splits() -> None:
+    """Frozen dev/confirm splits of MATH-500 (recomputed from the data on every use)."""
+
+
+@splits.command("verify")
+@click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
+@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help=_SPLITS_HELP)
+def splits_verify(data: Path | None, splits_dir: Path | None) -> None:
+    """Recompute the splits from the data and compare with the committed lists and manifest."""
+    from protocol.splits import verify_splits
+
+    info = verify_splits(data, splits_dir)
+    counts = info["counts"]
+    click.echo(f"splits OK: dev {counts['dev']} + confirm {counts['confirm']} ids, "
+               f"salt {info['salt']!r}, dataset sha256 {info['dataset_sha256']}, "
+               f"manifest sha256 {info['manifest_sha256']}")
+
+
+@splits.command("show")
+@click.option("--split", "name", type=click.Choice(["dev", "confirm"]), required=True,
+              help="Which split to list.")
+@click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
+@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help=_SPLITS_HELP)
+def splits_show(name: str, data: Path | None, splits_dir: Path | None) -> None:
+    """Print the problem ids of a split, one per line, after verifying the splits."""
+    from protocol.splits import split_ids
+
+    click.echo("\n".join(split_ids(name, data, splits_dir)))
+
+
+def _read_records(path: Path) -> list[dict]:
+    records = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"{path}: not UTF-8 ({exc.reason})") from None
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ProtocolError(f"{path}:{n}: not valid JSON ({exc.msg}, column {exc.colno})") from None
+        if not isinstance(rec, dict):
+            raise ProtocolError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+        records.append((n, rec))
+    if not records:
+        raise ProtocolError(f"{path}: no records")
+    return records
+
+
+def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> list[tuple]:
+    by_id = None
+    pairs = []
+    for n, rec in records:
+        if "pred" in rec:
+            pred = rec["pred"]
+        elif "text" in rec:
+            pred = rec["text"]
+        else:
+            raise ProtocolError(f"{path}:{n}: record has neither 'pred' nor 'text'")
+        if pred is not None and not isinstance(pred, str):
+            raise ProtocolError(f"{path}:{n}: 'pred'/'text' must be a string or null")
+        gold = rec.get("gold")
+        if gold is None:
+            pid = rec.get("problem_id")
+            if pid is None:
+                raise ProtocolError(f"{path}:{n}: record has neither 'gold' nor 'problem_id'")
+            if by_id is None:
+                from protocol.splits import problems_by_id
+
+                by_id = problems_by_id(data)
+            if pid not in by_id:
+                raise ProtocolError(f"{path}:{n}: unknown problem_id {pid!r}")
+            gold = by_id[pid].answer
+        elif isinstance(gold, (int, float)) and not isinstance(gold, bool):
+            gold = str(gold)
+        elif not isinstance(gold, str):
+            raise ProtocolError(f"{path}:{n}: 'gold' must be a string")
+        pairs.append((pred, gold))
+    return pairs
+
+
+def _write_atomic(path: Path, lines: list[str]) -> None:
+    """Write next to `path` and rename over it, so a crash never leaves half a file."""
+    path = path.resolve()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.writelines(lines)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def summary_line(grades) -> str:
+    n = len(grades)
+    correct = sum(g.verdict is True for g in grades)
+    wrong = sum(g.verdict is False for g in grades)
+    reasons = Counter(g.reason for g in grades if g.verdict is None)
+    detail = ", ".join(f"{r} {reasons.get(r, 0)}" for r in ("no_answer", "timeout", "unparsable"))
+    return f"graded {n}: {correct} correct, {wrong} wrong, {n - correct - wrong} ungradable ({detail})"
+
+
+@click.command("grade")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the graded records here (atomically; may name FILE to update it in place). "
+                   "Default: records to stdout, the summary to stderr.")
+@click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="MATH-500 JSONL for records that carry 'problem_id' instead of 'gold' "
+                   "(default: the shipped copy).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
+              show_default=True, help="Seconds allowed per answer before it is 'timeout'.")
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Grading processes run in parallel.")
+def grade(file: Path, out: Path | None, data: Path | None, timeout: float, workers: int) -> None:
+    """Grade the JSONL records of FILE: each needs 'pred' (or 'text') and 'gold' (or 'problem_id').
+
+    Each record is written back with 'extracted', 'verdict', 'reason' and 'rule' added.
+    """
+    from protocol.grading import grade_many
+
+    records = _read_records(file)
+    pairs = _pairs(file, records, data)
+    grades = grade_many(pairs, timeout=timeout, workers=workers)
+    lines = []
+    for (_, rec), g in zip(records, grades):
+        rec.update(g.as_record())
+        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    line = summary_line(grades)
+    if out is None:
+        sys.stdout.writelines(lines)
+        sys.stdout.flush()
+        click.echo(line, err=True)
+    else:
+        _write_atomic(out, lines)
+        click.echo(f"{line} -> {out}")
+
+
+commands = [splits, grade]

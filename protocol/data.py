@@ -1,0 +1,169 @@
+"""MATH-500: typed problems, loaded from a local JSONL file or from the `datasets` hub.
+
+Both sources must yield the same rows. "Same" is checked by hashing the *canonical JSONL* of the
+rows: one JSON object per line, keys in the order of `FIELDS`, `json.dumps` defaults
+(`ensure_ascii=True`, `", "`/`": "` separators), each line ending in `\\n`, rows in dataset order.
+The copy shipped in this package (`protocol/resources/math500.jsonl`) is byte-identical to its canonical
+form, so its file sha256 equals `DATASET_SHA256`.
+
+The package never needs anything outside itself at run time: the default path is the shipped copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+from protocol.errors import ProtocolError
+
+#: sha256 of the canonical JSONL of MATH-500 (protocol section 1).
+DATASET_SHA256 = "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132"
+#: The hub copy of the same 500 problems.
+HUB_DATASET = "HuggingFaceH4/MATH-500"
+HUB_SPLIT = "test"
+#: Field order of the canonical JSONL (the order of the PRM800K file).
+FIELDS = ("problem", "solution", "answer", "subject", "level", "unique_id")
+N_PROBLEMS = 500
+
+_FIELD_TYPES = {"problem": str, "solution": str, "answer": str, "subject": str, "level": int,
+                "unique_id": str}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One MATH-500 problem. `answer` is the reference answer (MATH LaTeX, without `\\boxed`)."""
+
+    unique_id: str
+    problem: str
+    solution: str
+    answer: str
+    subject: str
+    level: int
+
+    def to_row(self) -> dict[str, Any]:
+        """The row in canonical field order."""
+        d = asdict(self)
+        return {k: d[k] for k in FIELDS}
+
+
+def default_data_path() -> Path:
+    """Path of the MATH-500 copy shipped inside the package."""
+    return Path(str(resources.files("protocol") / "resources" / "math500.jsonl"))
+
+
+def _canonical_row(row: dict[str, Any], i: int, origin: str = "MATH-500") -> dict[str, Any]:
+    missing = [k for k in FIELDS if k not in row]
+    if missing:
+        raise ProtocolError(f"{origin}: row {i} lacks field(s) {', '.join(missing)}")
+    canon = {k: row[k] for k in FIELDS}
+    # the hub stores `level` as an int, some mirrors as a string; both mean the same row
+    if isinstance(canon["level"], str) and canon["level"].strip().isdigit():
+        canon["level"] = int(canon["level"])
+    return canon
+
+
+def canonical_jsonl(rows: Iterable[dict[str, Any]], origin: str = "MATH-500") -> bytes:
+    """Canonical JSONL bytes of `rows` (see the module docstring); the input of the sha256 check.
+
+    Only the fields of `FIELDS` are kept, in that order, so a reordered or extended export of the
+    same rows hashes the same.
+    """
+    return "".join(json.dumps(_canonical_row(r, i, origin)) + "\n"
+                   for i, r in enumerate(rows, start=1)).encode("utf-8")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ProtocolError(f"MATH-500 data file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"MATH-500 data file {path} is not UTF-8: {exc}") from None
+    rows = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ProtocolError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ProtocolError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def _hub_rows() -> list[dict[str, Any]]:
+    try:
+        import datasets  # heavy and optional: only imported when the hub is asked for
+    except ImportError:
+        raise ProtocolError(
+            "source='hub' needs the `datasets` package (pip install datasets); "
+            "or load the shipped copy with source='local'"
+        ) from None
+    try:
+        ds = datasets.load_dataset(HUB_DATASET, split=HUB_SPLIT)
+    except Exception as exc:  # network, auth, cache: all end as one clear line
+        raise ProtocolError(f"could not load {HUB_DATASET} ({HUB_SPLIT}) from the hub: {exc}") from None
+    return [dict(r) for r in ds]
+
+
+def _to_problems(rows: list[dict[str, Any]], origin: str) -> list[Problem]:
+    problems, seen = [], set()
+    for i, row in enumerate(rows, start=1):
+        canon = _canonical_row(row, i, origin)
+        for k, typ in _FIELD_TYPES.items():
+            if not isinstance(canon[k], typ) or isinstance(canon[k], bool):
+                raise ProtocolError(
+                    f"{origin}: row {i} field {k!r} is {type(canon[k]).__name__}, expected {typ.__name__}")
+        if canon["unique_id"] in seen:
+            raise ProtocolError(f"{origin}: duplicate unique_id {canon['unique_id']!r} (row {i})")
+        seen.add(canon["unique_id"])
+        problems.append(Problem(**canon))
+    return problems
+
+
+def load_problems(path: str | Path | None = None, *, source: Literal["local", "hub"] = "local",
+                  verify: bool = True) -> list[Problem]:
+    """Load MATH-500 as a list of `Problem` in dataset order.
+
+    `source="local"` reads `path` (default: the shipped copy); `source="hub"` loads
+    `HuggingFaceH4/MATH-500` (test split) through `datasets`, imported only then. With `verify`
+    (the default) the canonical JSONL of the rows must hash to `DATASET_SHA256`, otherwise a
+    `ProtocolError` names both hashes.
+    """
+    if source == "local":
+        p = Path(path) if path is not None else default_data_path()
+        rows, origin = _read_jsonl(p), str(p)
+    elif source == "hub":
+        if path is not None:
+            raise ProtocolError("source='hub' takes no path")
+        rows, origin = _hub_rows(), f"{HUB_DATASET}:{HUB_SPLIT}"
+    else:
+        raise ProtocolError(f"unknown data source {source!r} (expected 'local' or 'hub')")
+    if verify:
+        got = sha256_hex(canonical_jsonl(rows, origin))
+        if got != DATASET_SHA256:
+            raise ProtocolError(
+                f"MATH-500 from {origin} does not match the protocol: canonical sha256 {got} != "
+                f"expected {DATASET_SHA256} ({len(rows)} rows)")
+    problems = _to_problems(rows, origin)
+    if verify and len(problems) != N_PROBLEMS:  # unreachable with the right hash; kept as a guard
+        raise ProtocolError(f"{origin}: {len(problems)} problems, expected {N_PROBLEMS}")
+    return problems
+
+
+def dataset_sha256(path: str | Path | None = None, *, source: Literal["local", "hub"] = "local") -> str:
+    """sha256 of the canonical JSONL of the data (no verification; for reporting and manifests)."""
+    if source == "hub":
+        return sha256_hex(canonical_jsonl(_hub_rows()))
+    p = Path(path) if path is not None else default_data_path()
+    return sha256_hex(canonical_jsonl(_read_jsonl(p), str(p)))

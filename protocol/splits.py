@@ -1,0 +1,215 @@
+"""Frozen dev/confirm splits of MATH-500 (protocol section 2).
+
+Rule: ``h = md5(salt + unique_id)`` (hex); sort the 500 ids by ``h`` (ties, which md5 makes
+practically impossible, by id); the first 201 are ``dev``, the other 299 ``confirm``.
+
+Committed files, at the repository root under ``splits/math500/``:
+
+* ``dev.txt``, ``confirm.txt``: one ``unique_id`` per line, in hash order, ``\\n``-terminated;
+* ``manifest.json``: rule, salt, dataset sha256, counts and the sha256 of each list.
+
+`load_split` is the only way a run gets its problems: it first recomputes everything from the data
+(`verify_splits`) and refuses, with a `ProtocolError` naming the first difference, when a list, the
+manifest, the salt or the dataset has changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from protocol.data import DATASET_SHA256, N_PROBLEMS, Problem, dataset_sha256, load_problems
+from protocol.errors import ProtocolError
+
+SALT = "retention-math500-v1"
+RULE = ("h = md5(salt + unique_id) (hex); sort ids by h (ties by id); "
+        "first 201 = dev, the other 299 = confirm")
+SPLIT_NAMES = ("dev", "confirm")
+COUNTS = {"dev": 201, "confirm": N_PROBLEMS - 201}
+DATASET_NAME = "MATH-500"
+MANIFEST = "manifest.json"
+SUBDIR = "math500"
+
+
+def default_splits_dir() -> Path:
+    """`<repository root>/splits` (the directory above the `protocol` package)."""
+    import protocol
+
+    return Path(protocol.__file__).resolve().parent.parent / "splits"
+
+
+def _split_dir(splits_dir: str | Path | None) -> Path:
+    """The directory holding `manifest.json`: `splits_dir` itself or its `math500/` child."""
+    base = Path(splits_dir) if splits_dir is not None else default_splits_dir()
+    if (base / MANIFEST).is_file():
+        return base
+    return base / SUBDIR
+
+
+def split_hash(unique_id: str, salt: str = SALT) -> str:
+    return hashlib.md5((salt + unique_id).encode("utf-8")).hexdigest()
+
+
+def compute_splits(ids: list[str], salt: str = SALT) -> dict[str, list[str]]:
+    """Apply the rule to `ids`: {"dev": first 201 by hash, "confirm": the rest}."""
+    order = sorted(ids, key=lambda u: (split_hash(u, salt), u))
+    n_dev = COUNTS["dev"]
+    return {"dev": order[:n_dev], "confirm": order[n_dev:]}
+
+
+def _list_bytes(ids: list[str]) -> bytes:
+    return "".join(u + "\n" for u in ids).encode("utf-8")
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def build_manifest(splits: dict[str, list[str]], salt: str = SALT,
+                   data_sha256: str = DATASET_SHA256) -> dict[str, Any]:
+    return {
+        "dataset": DATASET_NAME,
+        "dataset_sha256": data_sha256,
+        "rule": RULE,
+        "salt": salt,
+        "counts": {name: len(splits[name]) for name in SPLIT_NAMES},
+        "files": {name: {"path": f"{name}.txt", "sha256": _sha(_list_bytes(splits[name]))}
+                  for name in SPLIT_NAMES},
+    }
+
+
+def write_splits(splits_dir: str | Path, data_path: str | Path | None = None) -> dict[str, Any]:
+    """Write `dev.txt`, `confirm.txt` and `manifest.json` into `splits_dir` (a maintainer tool:
+    the committed files were made with it; runs only ever read them)."""
+    out = Path(splits_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    problems = load_problems(data_path)
+    splits = compute_splits([p.unique_id for p in problems])
+    for name in SPLIT_NAMES:
+        (out / f"{name}.txt").write_bytes(_list_bytes(splits[name]))
+    manifest = build_manifest(splits)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+def _read_manifest(d: Path) -> dict[str, Any]:
+    path = d / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ProtocolError(f"split manifest not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"split manifest {path} is not valid JSON: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise ProtocolError(f"split manifest {path} is not a JSON object")
+    return manifest
+
+
+def _first_difference(got: list[str], want: list[str]) -> str:
+    for i, (a, b) in enumerate(zip(got, want), start=1):
+        if a != b:
+            return f"line {i} is {a!r}, the rule gives {b!r}"
+    return f"{len(got)} ids, the rule gives {len(want)}"
+
+
+def verify_splits(data_path: str | Path | None = None,
+                  splits_dir: str | Path | None = None) -> dict[str, Any]:
+    """Recompute the splits from the data and check every committed file against them.
+
+    Returns the manifest (plus `manifest_sha256` and `splits_dir`) when all agree; raises
+    `ProtocolError` with a one-line message naming the first difference otherwise.
+    """
+    d = _split_dir(splits_dir)
+    manifest = _read_manifest(d)
+    where = d / MANIFEST
+
+    # The manifest must state this protocol: a changed salt or rule is a different split.
+    if manifest.get("salt") != SALT:
+        raise ProtocolError(f"{where}: salt {manifest.get('salt')!r} != protocol salt {SALT!r}")
+    if manifest.get("rule") != RULE:
+        raise ProtocolError(f"{where}: rule {manifest.get('rule')!r} != protocol rule {RULE!r}")
+    if manifest.get("dataset_sha256") != DATASET_SHA256:
+        raise ProtocolError(f"{where}: dataset_sha256 {manifest.get('dataset_sha256')!r} != "
+                            f"protocol dataset sha256 {DATASET_SHA256}")
+    counts = manifest.get("counts")
+    if counts != COUNTS:
+        raise ProtocolError(f"{where}: counts {counts!r} != protocol counts {COUNTS!r}")
+
+    # The data actually loaded must be that dataset.
+    got_sha = dataset_sha256(data_path)
+    if got_sha != DATASET_SHA256:
+        src = data_path if data_path is not None else "the shipped copy"
+        raise ProtocolError(f"dataset {src}: canonical sha256 {got_sha} != manifest "
+                            f"dataset_sha256 {DATASET_SHA256}")
+    problems = load_problems(data_path)
+    expected = compute_splits([p.unique_id for p in problems])
+
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ProtocolError(f"{where}: 'files' missing or not an object")
+    for name in SPLIT_NAMES:
+        entry = files.get(name)
+        if not isinstance(entry, dict) or entry.get("path") != f"{name}.txt":
+            raise ProtocolError(f"{where}: files.{name} must be {{'path': '{name}.txt', 'sha256': ...}},"
+                                f" got {entry!r}")
+        path = d / entry["path"]
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ProtocolError(f"split list not found: {path}") from None
+        sha = _sha(data)
+        if sha != entry.get("sha256"):
+            raise ProtocolError(f"{path}: sha256 {sha} != manifest {entry.get('sha256')}")
+        want = _list_bytes(expected[name])
+        if data != want:
+            got_ids = data.decode("utf-8", errors="replace").splitlines()
+            raise ProtocolError(f"{path} differs from the split recomputed from the data: "
+                                f"{_first_difference(got_ids, expected[name])}")
+        if entry["sha256"] != _sha(want):  # unreachable once the bytes agree; explicit for clarity
+            raise ProtocolError(f"{where}: files.{name}.sha256 does not match the recomputed list")
+
+    # Anything else in the manifest (an added or edited field) is a difference too.
+    want_manifest = build_manifest(expected)
+    for key in sorted(set(manifest) | set(want_manifest)):
+        if manifest.get(key) != want_manifest.get(key):
+            raise ProtocolError(f"{where}: field {key!r} is {manifest.get(key)!r}, "
+                                f"the protocol gives {want_manifest.get(key)!r}")
+
+    out = dict(manifest)
+    out["manifest_sha256"] = _sha((d / MANIFEST).read_bytes())
+    out["splits_dir"] = str(d)
+    return out
+
+
+def manifest_sha256(splits_dir: str | Path | None = None) -> str:
+    """sha256 of the committed `manifest.json` bytes (what a pre-registered plan records)."""
+    path = _split_dir(splits_dir) / MANIFEST
+    try:
+        return _sha(path.read_bytes())
+    except FileNotFoundError:
+        raise ProtocolError(f"split manifest not found: {path}") from None
+
+
+def problems_by_id(data_path: str | Path | None = None) -> dict[str, Problem]:
+    """All verified MATH-500 problems keyed by `unique_id`."""
+    return {p.unique_id: p for p in load_problems(data_path)}
+
+
+def split_ids(name: str, data_path: str | Path | None = None,
+              splits_dir: str | Path | None = None) -> list[str]:
+    """The verified id list of split `name`, in committed order."""
+    if name not in SPLIT_NAMES:
+        raise ProtocolError(f"unknown split {name!r} (expected one of {', '.join(SPLIT_NAMES)})")
+    info = verify_splits(data_path, splits_dir)
+    path = Path(info["splits_dir"]) / info["files"][name]["path"]
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def load_split(name: str, data_path: str | Path | None = None,
+               splits_dir: str | Path | None = None) -> list[Problem]:
+    """The problems of split `name` ("dev" or "confirm") in committed order, after `verify_splits`."""
+    ids = split_ids(name, data_path, splits_dir)
+    by_id = problems_by_id(data_path)
+    return [by_id[u] for u in ids]
