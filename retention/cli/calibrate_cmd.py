@@ -1,3 +1,67 @@
-"""Placeholder until its issue lands: no commands yet."""
+"""`retention calibrate`: pre-RoPE query statistics for `triattention` and `alpha`."""
 
-commands = []
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from retention.errors import RetentionError
+
+
+def dev_split_text() -> str:
+    """The default calibration text: every dev-split problem followed by its reference solution,
+    separated by blank lines. Never the confirm split (its problems are held out for confirmation)."""
+    try:
+        from protocol.splits import load_split
+    except ImportError as exc:  # pragma: no cover - the protocol package ships with this one
+        raise RetentionError(f"the dev split is not available ({exc}); pass --text FILE") from None
+    problems = load_split("dev")
+    return "\n\n".join(f"{p.problem.strip()}\n\n{p.solution.strip()}" for p in problems)
+
+
+@click.command("calibrate")
+@click.option("--model", required=True,
+              help="Model alias (r1-distill-qwen-7b, r1-distill-llama-8b, smollm2-135m, tiny-random) "
+                   "or a local folder.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Statistics file to write (default: <cache>/stats/<model>.safetensors, where `retention run` "
+                   "looks; cache root $RETENTION_CACHE_DIR or the user cache directory).")
+@click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="UTF-8 calibration text (default: the dev split's problems with their reference solutions; "
+                   "never the confirm split).")
+@click.option("--tokens", type=int, default=8192, show_default=True,
+              help="Calibrate on the first N tokens of the text (all of it if shorter).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="Model dtype while calibrating (statistics are accumulated in float64, stored float32).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
+def calibrate_command(model, out, text_path, tokens, dtype, device):
+    """Compute pre-RoPE query statistics (complex mean and mean modulus per layer, query head and
+    RoPE band) for the query-free scorers `triattention` and `alpha`.
+
+    The text is tokenised once and run in independent chunks of 2048 tokens; the file records the
+    model id, head geometry, RoPE parameters, dtype, token count and the sha256 of the tokens.
+    """
+    if tokens <= 0:
+        raise RetentionError(f"--tokens must be > 0, got {tokens}")
+    from retention.calibration import calibrate, default_stats_path
+    from retention.models import load_model, resolve_model
+
+    resolve_model(model)  # a bad --model fails before the text is read
+    if text_path is not None:
+        text = Path(text_path).read_text(encoding="utf-8")
+        source = f"file {Path(text_path).name}"
+    else:
+        text = dev_split_text()
+        source = "MATH-500 dev split: problem + reference solution"
+    loaded = load_model(model, dtype=dtype, device=device)
+    ids = loaded.tokenizer(text)["input_ids"][:tokens]
+    if not ids:
+        raise RetentionError("the calibration text is empty")
+    stats = calibrate(loaded.model, ids, model_id=loaded.model_id, text_source=source)
+    path = stats.save(Path(out) if out else default_stats_path(loaded.name))
+    click.echo(f"{path}: {len(ids)} tokens, {stats.meta['geometry']['layers']} layers x "
+               f"{stats.meta['geometry']['q_heads']} query heads, sha256 {stats.meta['tokens_sha256'][:12]}")
+
+
+commands = [calibrate_command]

@@ -8,7 +8,7 @@ from retention.errors import RetentionError
 from retention.scorers.base import Scorer, topk_keep
 
 _REGISTRY: dict[str, type[Scorer]] = {}
-_MODULES = ("full", "random", "streaming")
+_MODULES = ("full", "random", "streaming", "triattention", "alpha", "snapkv", "rkv", "h2o")
 _loaded = False
 
 

@@ -1,0 +1,119 @@
+"""`snapkv`: SnapKV run at decode time, from the last `window` queries of every layer.
+
+Shapes: layers `L`, batch `B`, KV heads `G`, query heads `Hq = G * r`, window `w`, stored tokens `n`,
+head dim `d`.
+
+The post-RoPE queries are recorded as the model computes them (`retention.capture`), and the last `w`
+of each layer are kept: they are never recomputed with the current step's rotation. At a
+compaction, per layer and KV head:
+
+1. logits of the `w` window queries against the candidate keys (every stored token except the
+   window's own `w`, i.e. the `w` newest positions), times the model's attention scale;
+2. max over the group's `r` query heads, on the raw logits;
+3. softmax over the candidates in float32, mean over the `w` window queries;
+4. 1-D max-pool over the stored order, kernel 7, stride 1, same padding (window slots are 0 there,
+   which never wins a max over probabilities, so this equals pooling over the candidates alone);
+5. top-`(b - w)` per (layer, KV head), plus the `w` window tokens (scored +inf: always kept).
+
+Reference defaults: `w = 8`, kernel 7, interval 128. The scorer asks the cadence to protect at least
+the `w` newest tokens (`min_recent`), so the budget accounting counts the window inside `b`.
+(The original SnapKV is prefill-only with window 32, kernel-5 average pooling, per query head.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from retention.cache import CacheView
+from retention.capture import QueryRecorder, capture_queries
+from retention.errors import RetentionError
+from retention.scorers import register
+from retention.scorers.base import Scorer
+
+
+def window_importance(queries: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scaling: float,
+                      kernel: int) -> torch.Tensor:
+    """SnapKV importance of one layer (steps 1-4 of the module doc).
+
+    queries `[B, Hq, w, d]`, keys `[B, G, n, d]`, candidates `[B, G, n]` bool -> `[B, G, n]` float32,
+    zero on non-candidates before pooling.
+    """
+    B, G, n, d = keys.shape
+    Hq, w = queries.shape[1], queries.shape[2]
+    q = queries.float().reshape(B, G, Hq // G, w, d)
+    logits = torch.einsum("bgrwd,bgnd->bgrwn", q, keys.float()).amax(dim=2) * scaling  # [B, G, w, n]
+    logits = logits.masked_fill(~candidates[:, :, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(dim=2)  # all-masked rows -> 0, not NaN
+    pooled = F.max_pool1d(probs.reshape(B * G, 1, n), kernel_size=kernel, stride=1, padding=kernel // 2)
+    return pooled.reshape(B, G, n)
+
+
+@register("snapkv")
+@dataclass
+class SnapKV(Scorer):
+    """Decode-time SnapKV. Parameters: `window` (recent queries and protected tokens, default 8),
+    `kernel` (max-pool width, odd, default 7)."""
+
+    per_layer = True
+    window: int = 8
+    kernel: int = 7
+    _recorder: QueryRecorder | None = field(default=None, init=False, repr=False)
+    _queries: list = field(default_factory=list, init=False, repr=False)  # L x [B, Hq, <=w, d]
+    _scaling: float = field(default=1.0, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.window <= 0:
+            raise RetentionError(f"--window must be a positive number of tokens, got {self.window}")
+        if self.kernel <= 0 or self.kernel % 2 == 0:
+            raise RetentionError(f"the pooling kernel must be a positive odd number, got {self.kernel}")
+
+    def min_recent(self) -> int:
+        """The window tokens are kept at every compaction; the cadence counts them inside `b`."""
+        return self.window
+
+    @contextlib.contextmanager
+    def _attached(self, model):
+        self._queries = []
+        with capture_queries(model) as rec:
+            self._recorder = rec
+            try:
+                yield self
+            finally:
+                self._recorder = None
+
+    def attach(self, model):
+        return self._attached(model)
+
+    def observe(self, cache, next_position: int) -> None:
+        """Append this forward's queries of every layer to the rolling window of the last `w`."""
+        calls = self._recorder.take(cache)
+        if not self._queries:
+            self._queries = [None] * len(calls)
+        for i, call in enumerate(calls):
+            q = call.query[:, :, -self.window:]
+            old = self._queries[i]
+            self._queries[i] = (q if old is None else torch.cat([old, q], dim=2)[:, :, -self.window:]).clone()
+        self._scaling = calls[0].scaling
+
+    def window_mask(self, view: CacheView, layer: int) -> torch.Tensor:
+        """`[B, G, n]` bool: the `w` newest positions (the window's own tokens)."""
+        return view.positions[layer] >= view.next_position - self.window
+
+    def importance(self, view: CacheView, layer: int) -> torch.Tensor:
+        """`[B, G, n]` SnapKV importance of one layer, window tokens 0 (before pooling)."""
+        if not self._queries or self._queries[layer] is None:
+            raise RuntimeError("snapkv: no recorded queries (scorer used outside attach(), or observe() not called)")
+        cand = ~self.window_mask(view, layer)
+        return window_importance(self._queries[layer], view.keys[layer], cand, self._scaling, self.kernel)
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        """`[L, B, G, n]`: pooled importance, +inf on the window tokens."""
+        return torch.stack([self.importance(view, l).masked_fill(self.window_mask(view, l), float("inf"))
+                            for l in range(view.num_layers)])
+
+    def params(self) -> dict:
+        return {"window": self.window, "kernel": self.kernel}

@@ -1,0 +1,169 @@
+"""`triattention`: query-free top-k from pre-RoPE query statistics (the baseline of the alpha study).
+
+Shapes: layers `L`, batch `B`, KV heads `G`, query heads `Hq = G * r` (query head `h` reads KV head
+`h // r`, transformers' `repeat_kv` order), stored tokens `n`, head dim `d`, bands `F = d / 2`.
+
+Score of stored token `j` for query head `h` of layer `l`, with post-RoPE key bands
+`k_{j,f} = k_j[f] + i k_j[f+F]`, calibrated `Qm`, `Qa` (see `retention.calibration`), rotary
+frequencies `w_f` and the next query position `t`:
+
+    A_{j,f}  = Qm[l,h,f] * conj(k_{j,f})
+    trig(j)  = mean_{d in D} sum_f Re(A_{j,f} * exp(i w_f (t + d)))        D = {1, 2, 4, ..., 2^16}
+    norm(j)  = sum_f (Qa[l,h,f] - |Qm[l,h,f]|) * |k_{j,f}|
+    s(l,h,j) = trig(j) + norm(j)
+
+Because the mean over `D` does not depend on `j`, `trig(j) = Re(sum_f W_f conj(k_{j,f}))` with
+`W_f = Qm_f * mean_d exp(i w_f (t+d))`, i.e. a dot product of the raw key with `[Re W, Im W]`; the
+norm term is a dot product of the band moduli with `Qa - |Qm|`. So one layer costs two small matmuls,
+with no RoPE inversion (the stored key already carries `exp(i w_f p_j)`, and the query at `t + d`
+would carry `exp(i w_f (t+d))`). `rope_inverted_head_scores` computes the same score the long way
+(un-rotate keys to pre-RoPE, then the relative-phase formula); a test proves both equal.
+
+Aggregation (reference default, `routing="shared"`): z-score each `(l, h)` row over the candidate
+tokens (the unprotected ones; population std clamped at 1e-6), max over the `r` query heads of
+each KV head's group, mean over layers -> `[B, G, n]`: one kept set per KV head shared by all
+layers. `routing="per-layer"` skips the layer mean -> `[L, B, G, n]`, one kept set per (layer, KV head).
+
+Scoring runs in float32; the phases `w_f (t + d)` (up to ~1e5 rad) are formed in float64, where
+float32 would lose most of their fractional part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from retention.cache import CacheView
+from retention.calibration import QueryStats, load_stats, rotary_inv_freq
+from retention.errors import RetentionError
+from retention.scorers import register
+from retention.scorers.base import Scorer
+
+# The geometric future offsets D = {1, 2, 4, ..., 2^16}: 17 values.
+OFFSETS = tuple(2**i for i in range(17))
+ROUTINGS = ("shared", "per-layer")
+STD_FLOOR = 1e-6
+
+
+def future_phase(inv_freq: torch.Tensor, t: int, offsets=OFFSETS) -> torch.Tensor:
+    """`mean_{d in D} exp(i w_f (t + d))` `[F]` complex128, from inverse frequencies `[F]`."""
+    w = inv_freq.double()
+    ang = w[:, None] * (float(t) + torch.tensor(offsets, dtype=torch.float64, device=w.device))[None, :]
+    return torch.polar(torch.ones_like(ang), ang).mean(-1)
+
+
+def query_weights(qm: torch.Tensor, qa: torch.Tensor, inv_freq: torch.Tensor, t: int, kv_heads: int):
+    """Per-query-head weights of the linear score form, for all layers at query position `t`.
+
+    qm: `[L, Hq, F]` complex; qa: `[L, Hq, F]`; inv_freq: `[F]`.
+    Returns (trig `[L, G, r, d]`, norm `[L, G, r, F]`) float32: `s = k . trig + |k_f| . norm`.
+    """
+    L, Hq, F = qm.shape
+    w = qm.to(torch.complex128) * future_phase(inv_freq, t).to(qm.device)  # [L, Hq, F]
+    trig = torch.cat([w.real, w.imag], dim=-1).float().reshape(L, kv_heads, Hq // kv_heads, 2 * F)
+    norm = (qa.double() - qm.to(torch.complex128).abs()).float().reshape(L, kv_heads, Hq // kv_heads, F)
+    return trig, norm
+
+
+def head_scores(keys: torch.Tensor, trig: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """Raw scores `s(l, h, j)` of one layer: keys `[B, G, n, d]` (post-RoPE), trig `[G, r, d]`,
+    norm `[G, r, F]` -> `[B, G, r, n]` float32."""
+    k = keys.float()
+    F = k.shape[-1] // 2
+    kmod = torch.hypot(k[..., :F], k[..., F:])  # [B, G, n, F]: |k_f|, unchanged by RoPE
+    return torch.einsum("bgnd,grd->bgrn", k, trig) + torch.einsum("bgnf,grf->bgrn", kmod, norm)
+
+
+def rope_inverted_head_scores(keys: torch.Tensor, positions: torch.Tensor, qm: torch.Tensor, qa: torch.Tensor,
+                              inv_freq: torch.Tensor, t: int, offsets=OFFSETS) -> torch.Tensor:
+    """The same raw scores computed the long way, in float64: un-rotate the stored keys to pre-RoPE,
+    `k_pre_f = k_f exp(-i w_f p_j)`, then
+    `trig = mean_d sum_f Re(Qm_f conj(k_pre_f) exp(i w_f (t + d - p_j)))`, `norm` with `|k_pre_f|`.
+
+    keys `[B, G, n, d]`, positions `[B, G, n]`, qm/qa `[Hq, F]` (one layer) -> `[B, G, r, n]` float64.
+    """
+    k = keys.double()
+    F = k.shape[-1] // 2
+    G, Hq = k.shape[1], qm.shape[0]
+    w = inv_freq.double()
+    kc = torch.complex(k[..., :F], k[..., F:])  # [B, G, n, F]
+    p = positions.double()[..., None]  # [B, G, n, 1]
+    k_pre = kc * torch.polar(torch.ones_like(p * w), -(p * w))
+    d = torch.tensor(offsets, dtype=torch.float64)
+    rel = (float(t) + d - p[..., None]) * w[:, None]  # [B, G, n, F, |D|]: phase of query t+d vs key p_j
+    phase = torch.polar(torch.ones_like(rel), rel).mean(-1)  # [B, G, n, F]
+    qmg = qm.to(torch.complex128).reshape(G, Hq // G, F)
+    trig = torch.einsum("grf,bgnf->bgrn", qmg, k_pre.conj() * phase).real
+    norm = torch.einsum("grf,bgnf->bgrn", qa.double().reshape(G, Hq // G, F) - qmg.abs(), k_pre.abs())
+    return trig + norm
+
+
+def zscore_group_max(raw: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """raw `[B, G, r, n]`, candidates `[B, G, n]` bool -> `[B, G, n]`: each (head) row z-scored over
+    its candidates (population std, clamped at 1e-6), then the max over the group's `r` query heads."""
+    c = candidates[:, :, None, :].to(raw.dtype)
+    cnt = c.sum(-1, keepdim=True).clamp(min=1)
+    mean = (raw * c).sum(-1, keepdim=True) / cnt
+    var = (((raw - mean) ** 2) * c).sum(-1, keepdim=True) / cnt
+    z = (raw - mean) / var.sqrt().clamp(min=STD_FLOOR)
+    return z.amax(dim=2)
+
+
+@register("triattention")
+@dataclass
+class TriAttention(Scorer):
+    """Query-free top-k per KV head. Parameters: `stats` (statistics file; default: the model's
+    default location), `routing` (`shared` | `per-layer`). Protects nothing by default."""
+
+    stats: str | None = None
+    routing: str = "shared"
+    _stats: QueryStats | None = field(default=None, init=False, repr=False)
+    _inv_freq: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.routing not in ROUTINGS:
+            raise RetentionError(f"--routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+
+    @property
+    def per_layer(self) -> bool:  # an instance property: the routing option decides the score shape
+        return self.routing == "per-layer"
+
+    def bind(self, stats: QueryStats, inv_freq: torch.Tensor) -> None:
+        """Use these statistics and rotary frequencies `[F]` (what `attach` does with the model's)."""
+        self._stats, self._inv_freq = stats, inv_freq.float()
+
+    @contextlib.contextmanager
+    def _attached(self, model):
+        self.bind(load_stats(self.stats, model), rotary_inv_freq(model))
+        yield self
+
+    def attach(self, model):
+        return self._attached(model)
+
+    def layer_scores(self, view: CacheView):
+        """Yield, per layer, `[B, G, n]` group-max z-scores (see module doc)."""
+        if self._stats is None:
+            raise RuntimeError("triattention scorer used outside attach() (no statistics bound)")
+        G = view.keys[0].shape[1]
+        dev = view.keys[0].device
+        trig, norm = query_weights(self._stats.qm, self._stats.qa, self._inv_freq, view.next_position, G)
+        trig, norm = trig.to(dev), norm.to(dev)
+        for l in range(view.num_layers):
+            raw = head_scores(view.keys[l], trig[l], norm[l])
+            yield zscore_group_max(raw, ~view.protected[l])
+
+    def score(self, view: CacheView) -> torch.Tensor:
+        """`[B, G, n]` (shared routing: mean over layers) or `[L, B, G, n]` (per-layer routing)."""
+        if self.per_layer:
+            return torch.stack(list(self.layer_scores(view)))
+        total = None
+        for s in self.layer_scores(view):
+            total = s if total is None else total + s
+        return total / view.num_layers
+
+    def params(self) -> dict:
+        return {"stats": self.stats, "routing": self.routing}
+
+
