@@ -37,6 +37,9 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
     params = {k: v for k, v in options.items() if k in fields and v is not None}
     scorer_obj = cls(**params)  # validates parameters now, not in the middle of a run
     params = {k: getattr(scorer_obj, k) for k in sorted(fields) if not k.startswith("_")}
+    extra = {}
+    if "stats" in params:
+        params["stats"], extra["stats_sha256"] = _resolve_stats(params["stats"], base["model"])
     budget = base["budget"] if cls.evicts else None
     if cls.evicts and budget is None:
         raise RetentionError(f"--budget is required for scorer {scorer!r}")
@@ -47,8 +50,23 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
         recent = max(recent, scorer_obj.min_recent())
     cadence = Cadence(budget=budget, interval=interval, accounting=base["accounting"], sink=sink, recent=recent)
     config = dict(base, scorer=scorer, scorer_params=params, budget=budget, interval=interval,
-                  sink=sink, recent=recent, nominal_b=cadence.nominal)
+                  sink=sink, recent=recent, nominal_b=cadence.nominal, **extra)
     return config, params, cadence
+
+
+def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
+    """The calibration statistics file a scorer will use (given, or the model's default) and its
+    sha256, so that the configuration hash names the statistics and not just a path."""
+    import hashlib
+
+    from retention.calibration import default_stats_path
+
+    resolved = Path(path) if path else default_stats_path(model)
+    if not resolved.is_file():
+        hint = "" if path else f" (the default for {model})"
+        raise RetentionError(f"no calibration statistics at {resolved}{hint}; run `retention calibrate "
+                             f"--model {model}` first or pass --stats FILE")
+    return str(resolved.resolve()), hashlib.sha256(resolved.read_bytes()).hexdigest()
 
 
 @click.command("run")

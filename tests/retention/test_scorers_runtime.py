@@ -162,19 +162,28 @@ def test_fidelity_reference_forward_does_not_leak_into_captured_queries(tiny, na
     assert runs[1].fidelity.summary()["steps"] == 30  # prefill + 29 decode steps compared
 
 
-def test_cli_configuration_of_new_scorers():
-    """run_cmd.build_arm_config gives window scorers their protected window and records parameters."""
+def test_cli_configuration_of_new_scorers(tmp_path):
+    """run_cmd.build_arm_config gives window scorers their protected window, records parameters and
+    names the statistics file by its content hash."""
+    import hashlib
     import json
 
     from retention.cli.run_cmd import build_arm_config
+    from retention.errors import RetentionError
 
-    base = {"budget": 64, "interval": None, "sink": None, "recent": None, "accounting": "mean"}
-    options = {"lam": 0.3, "radius": None, "window": 4, "routing": "per-layer", "stats": None}
+    stats = tmp_path / "stats.safetensors"
+    stats.write_bytes(b"not really statistics")
+    base = {"model": "tiny-random", "budget": 64, "interval": None, "sink": None, "recent": None, "accounting": "mean"}
+    with pytest.raises(RetentionError, match="retention calibrate"):
+        build_arm_config(base, "alpha", {"stats": str(tmp_path / "missing.safetensors")})
+    options = {"lam": 0.3, "radius": None, "window": 4, "routing": "per-layer", "stats": str(stats)}
     for name in ("snapkv", "rkv", "h2o"):
         _, params, cad = build_arm_config(base, name, options)
         assert cad.recent == 4 and params["window"] == 4
-    _, params, cad = build_arm_config(base, "alpha", options)
-    assert params == {"lam": 0.3, "radius": 0.0, "routing": "per-layer", "stats": None} and cad.recent == 0
+    config, params, cad = build_arm_config(base, "alpha", options)
+    assert params == {"lam": 0.3, "radius": 0.0, "routing": "per-layer", "stats": str(stats.resolve())}
+    assert cad.recent == 0
+    assert config["stats_sha256"] == hashlib.sha256(stats.read_bytes()).hexdigest()
     _, params, _ = build_arm_config(base, "rkv", options)
     assert params["lam"] == 0.3
     json.dumps(params)
