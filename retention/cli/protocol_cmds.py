@@ -233,11 +233,16 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     """Write a content-hashed pre-registration plan for a confirm run."""
     from protocol import prereg
 
+    from retention.cli.run_cmd import validate_arm_config
+
     manifest = manifest_hash or prereg._current_manifest_hash()
+    treatment = _arm_config(treatment, treatment_set, "--treatment")
+    baseline = _arm_config(baseline, baseline_set, "--baseline")
+    validate_arm_config("treatment", treatment)
+    validate_arm_config("baseline", baseline)
     plan = prereg.build_plan(
         models=models, budgets=[_budget(b) for b in budgets],
-        treatment=_arm_config(treatment, treatment_set, "--treatment"),
-        baseline=_arm_config(baseline, baseline_set, "--baseline"), k=samples, seed=seed,
+        treatment=treatment, baseline=baseline, k=samples, seed=seed,
         max_new_tokens=max_new_tokens, manifest_hash=manifest,
         code_version=code_version or current_code_version(), boot=boot, boot_max=boot_max,
         boot_seed=boot_seed, alpha=alpha, m=m, test=test,

@@ -173,8 +173,27 @@ def _summary_line(run_dir: Path) -> str:
 # Keys a pre-registered arm configuration may set (the rest come from the plan: model, budget,
 # samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
 # so that `confirm` can compare what was planned with what ran, key by key.
-_ARM_KEYS = {"scorer", "scorer_params", "interval", "accounting", "sink", "recent", "temperature", "top_p",
+_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "interval", "accounting", "sink", "recent", "temperature", "top_p",
              "dtype", "device", "data", "limit", "fidelity", "ignore_eos"}
+
+
+def validate_arm_config(name: str, cfg: dict) -> None:
+    """Refuse, at registration, an arm configuration the runner could not run as written."""
+    import dataclasses as dc
+
+    from retention.scorers import get_scorer_class
+
+    if not cfg.get("scorer"):
+        raise RetentionError(f"the {name} configuration needs a 'scorer'")
+    unknown = sorted(set(cfg) - _ARM_KEYS)
+    if unknown:
+        raise RetentionError(f"{name} configuration has unknown key(s) {unknown}; allowed: {sorted(_ARM_KEYS)}")
+    cls = get_scorer_class(cfg["scorer"])
+    fields = {f.name for f in dc.fields(cls)} - {"seed"}
+    bad = sorted(set(cfg.get("scorer_params") or {}) - fields)
+    if bad:
+        raise RetentionError(f"{name} scorer {cfg['scorer']!r} has no parameter(s) {bad}; "
+                             f"it takes {sorted(f for f in fields if not f.startswith('_'))}")
 
 
 def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path) -> Path:

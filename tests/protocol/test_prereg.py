@@ -370,7 +370,7 @@ def _cli(args):
 def _preregister(tmp_path, *extra):
     return _cli(["preregister", "--out", str(tmp_path), "--model", "qwen-1.5b", "--budget", "256",
                  "--budget", "512", "--treatment", '{"scorer": "alpha", "accounting": "mean"}',
-                 "--treatment-set", "scorer_params.lambda=0.5", "--baseline-set", "scorer=triattention",
+                 "--treatment-set", "scorer_params.lam=0.5", "--baseline-set", "scorer=triattention",
                  "-k", "2", "--max-new-tokens", "4096", "--boot", "2000", "--boot-max", "2000",
                  "--manifest-hash", MANIFEST, "--code-version", "0.1.0+gtest", *extra])
 
@@ -381,7 +381,7 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     plans = list(tmp_path.glob("plan-*.json"))
     assert len(plans) == 1 and "registered" in res.output
     plan, h = prereg.load_plan(plans[0])
-    assert plan["treatment"] == {"scorer": "alpha", "accounting": "mean", "scorer_params": {"lambda": 0.5}}
+    assert plan["treatment"] == {"scorer": "alpha", "accounting": "mean", "scorer_params": {"lam": 0.5}}
     assert plan["baseline"] == {"scorer": "triattention"}
     assert plan == new_plan(treatment=plan["treatment"], baseline=plan["baseline"])
     res = _preregister(tmp_path)
