@@ -6,8 +6,8 @@ comparable token for token:
 * speed: per scorer (and accounting mode), one fixed-length generation (`new_tokens`, EOS ignored)
   on the first dev problem: decode tokens/s, median decode-step time, median compaction time,
   measured mean/peak cache;
-* agreement: per scorer, on `problems` dev problems, the number of output tokens identical to the
-  `full` run before the first divergence.
+* agreement: per scorer, on `problems` dev problems (`agreement_tokens` each, EOS ignored), the number
+  of output tokens identical to the `full` run before the first divergence.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def _median_ms(xs: list[float]) -> float | None:
 
 
 def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int, accountings: list[str],
-              agreement_problems: int, interval: int | None = None, params: dict | None = None, echo=print) -> dict:
+              agreement_problems: int, interval: int | None = None, params: dict | None = None,
+              agreement_tokens: int | None = None, echo=print) -> dict:
     """Returns a JSON-ready dict of figures; `echo` receives one line per measurement."""
     from retention.generate import SamplingConfig, generate
     from retention.models import format_prompt
@@ -66,6 +67,8 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
                  f"compaction {'-' if comp is None else f'{comp:.1f} ms'} x{row['compactions']}, "
                  f"mean cache {g.meter.mean:.1f} peak {g.meter.peak}")
     if agreement_problems:
+        greedy = SamplingConfig(max_new_tokens=agreement_tokens or new_tokens, temperature=0.0, ignore_eos=True)
+        out["agreement_tokens"] = greedy.max_new_tokens
         t0 = time.perf_counter()
         ref = {}
         for p in problems[:agreement_problems]:
@@ -80,6 +83,6 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
                 agree.append(next((i for i, (a, b) in enumerate(zip(toks, ref_tokens)) if a != b), len(ref_tokens)))
             out["agreement"].append({"scorer": scorer, "tokens_before_divergence": agree,
                                      "mean": sum(agree) / len(agree)})
-            echo(f"{scorer:>12} agreement with full: {agree} (mean {sum(agree) / len(agree):.1f} of {new_tokens})")
+            echo(f"{scorer:>12} agreement with full: {agree} (mean {sum(agree) / len(agree):.1f} of {greedy.max_new_tokens})")
         out["agreement_seconds"] = time.perf_counter() - t0
     return out

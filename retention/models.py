@@ -398,6 +398,10 @@ def load_model(
     if revision is not None and ref.kind != "hub":
         raise RetentionError(f"a revision applies to hub models only, not to {name!r}")
 
+    # transformers draws a per-tensor "Loading weights" bar; the run's own progress bar is enough.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     start = time.perf_counter()
     if ref.kind == "random":
         model, tokenizer = build_tiny_random(seed)

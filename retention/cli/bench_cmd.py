@@ -17,14 +17,16 @@ import click
 @click.option("--new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--problems", type=click.IntRange(min=0), default=5, show_default=True,
               help="Dev problems for the agreement-with-full measurement (0 = skip).")
+@click.option("--agreement-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per agreement generation (default: --new-tokens).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None, help="Calibration stats for triattention/alpha.")
 @click.option("--lambda", "lam", type=float, default=None)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the figures to this JSON file.")
-def bench_command(model, scorers, budget, interval, accounting, new_tokens, problems, stats_path, lam, dtype, device,
-                  threads, out):
+def bench_command(model, scorers, budget, interval, accounting, new_tokens, problems, agreement_tokens, stats_path, lam,
+                  dtype, device, threads, out):
     """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`."""
     import torch
 
@@ -43,7 +45,7 @@ def bench_command(model, scorers, budget, interval, accounting, new_tokens, prob
     dev = load_split("dev")
     params = {k: v for k, v in {"stats": stats_path, "lam": lam}.items() if v is not None}
     figures = run_bench(loaded, dev, names, budget, new_tokens, modes, problems, interval=interval, params=params,
-                        echo=click.echo)
+                        agreement_tokens=agreement_tokens, echo=click.echo)
     figures["threads"] = torch.get_num_threads()
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

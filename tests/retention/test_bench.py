@@ -1,0 +1,40 @@
+"""`retention bench` writes the figures it measured (no timing is asserted)."""
+
+import json
+
+from click.testing import CliRunner
+
+from retention.cli import main
+
+
+def test_bench_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--scorers", "full,streaming,random",
+                                    "--budget", "24", "--interval", "8", "--accounting", "mean,peak,prefill",
+                                    "--new-tokens", "40", "--problems", "2", "--agreement-tokens", "20",
+                                    "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    fig = json.loads(out.read_text())
+    assert [(r["scorer"], r["accounting"]) for r in fig["speed"]] == [
+        (s, a) for s in ("full", "streaming", "random") for a in ("mean", "peak", "prefill")]
+    for r in fig["speed"]:
+        assert r["tokens_per_second"] > 0 and r["decode_step_ms_median"] > 0
+        if r["scorer"] == "full":
+            assert r["compactions"] == 0 and r["compaction_ms_median"] is None
+            assert r["cache_peak_tokens"] == fig["prompt_tokens"] + 39
+        else:
+            assert r["compactions"] > 0 and r["compaction_ms_median"] > 0
+            if r["accounting"] == "mean":
+                assert r["cache_mean_tokens"] <= 24
+            if r["accounting"] == "peak":
+                assert r["cache_peak_tokens"] <= 24
+            if r["accounting"] == "prefill":
+                assert r["cache_mean_tokens"] > 24 and r["budget_exceeded"]
+    assert [a["scorer"] for a in fig["agreement"]] == ["streaming", "random"]
+    for a in fig["agreement"]:
+        assert len(a["tokens_before_divergence"]) == 2 and all(0 <= n <= 20 for n in a["tokens_before_divergence"])
+
+
+def test_bench_unknown_scorer_fails_fast():
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--scorers", "full,nope"])
+    assert res.exit_code != 0 and "unknown scorer" in res.output
