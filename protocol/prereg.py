@@ -345,6 +345,10 @@ def _set_dotted(cfg: dict, key: str, value) -> None:
     node[parts[-1]] = value
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def _mismatches(expected: dict, actual: dict, prefix: str = "") -> list[dict]:
     """Keys of `expected` whose value differs in `actual` (nested dicts compared key by key)."""
     out = []
@@ -354,6 +358,9 @@ def _mismatches(expected: dict, actual: dict, prefix: str = "") -> list[dict]:
         got = actual.get(key, "<absent>")
         if isinstance(want, dict) and isinstance(got, dict):
             out += _mismatches(want, got, f"{prefix}{key}.")
+        elif _is_number(want) and _is_number(got):
+            if want != got:  # 0 planned and 0.0 recorded are the same setting
+                out.append({"field": prefix + key, "planned": want, "actual": got})
         elif canonical_json(want) != canonical_json(got):
             out.append({"field": prefix + key, "planned": want, "actual": got})
     return out

@@ -83,7 +83,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
               help="mean: B is the measured mean cache; peak: never above B; prefill: B right after compaction.")
 @click.option("--sink", type=int, default=None, help="Protected first tokens (default: the scorer's, 4 for streaming).")
 @click.option("--recent", type=int, default=None, help="Protected most recent tokens (default: the scorer's).")
-@click.option("--lambda", "lam", type=float, default=None, help="alpha/rkv: redundancy weight lambda (alpha 0.5, rkv 0.1).")
+@click.option("--lambda", "lam", type=float, default=None, help="alpha/rkv: redundancy weight lambda (defaults: alpha 0.5, rkv 0.1); applies to every listed scorer that takes it.")
 @click.option("--radius", type=float, default=None, help="alpha: cosine radius under which no penalty applies (default 0).")
 @click.option("--window", type=int, default=None, help="snapkv/rkv/h2o: recent query/window size (default 8).")
 @click.option("--routing", type=click.Choice(["shared", "per-layer"]), default=None,

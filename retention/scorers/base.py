@@ -15,7 +15,7 @@ Adding a scorer: one module in this package with a class decorated by `@register
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -68,3 +68,44 @@ class Scorer:
     def params(self) -> dict:
         """Parameters recorded in the run configuration."""
         return {}
+
+
+@dataclass
+class WindowScorer(Scorer):
+    """A scorer that reads the queries the model computes (`retention.capture`) and protects its
+    `window` newest tokens (counted inside `b` by the cadence through `min_recent`).
+
+    While attached, `self._recorder` holds the query recorder; `reset()` clears per-generation state.
+    """
+
+    per_layer: ClassVar[bool] = True
+    window: int = 8
+    _recorder: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        from retention.errors import RetentionError
+
+        if self.window <= 0:
+            raise RetentionError(f"--window must be a positive number of tokens, got {self.window}")
+
+    def min_recent(self) -> int:
+        """The window tokens are kept at every compaction; the cadence counts them inside `b`."""
+        return self.window
+
+    def reset(self) -> None:
+        """Clear state from a previous generation."""
+
+    @contextlib.contextmanager
+    def _attached(self, model):
+        from retention.capture import capture_queries
+
+        self.reset()
+        with capture_queries(model) as rec:
+            self._recorder = rec
+            try:
+                yield self
+            finally:
+                self._recorder = None
+
+    def attach(self, model):
+        return self._attached(model)

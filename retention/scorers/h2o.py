@@ -17,16 +17,13 @@ tokens; here the recent part is the `window` option, like the other window-based
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 
 from retention.cache import CacheView
-from retention.capture import QueryRecorder, capture_queries
-from retention.errors import RetentionError
 from retention.scorers import register
-from retention.scorers.base import Scorer
+from retention.scorers.base import WindowScorer
 
 # Queries per block when a long prefill is scored: bounds the [B, G, r, q, n] probability tensor.
 QUERY_BLOCK = 256
@@ -55,33 +52,13 @@ def attention_mass(query: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tenso
 
 @register("h2o")
 @dataclass
-class H2O(Scorer):
+class H2O(WindowScorer):
     """Accumulated attention mass + recent window. Parameter: `window` (protected newest tokens, default 8)."""
 
-    per_layer = True
-    window: int = 8
-    _recorder: QueryRecorder | None = field(default=None, init=False, repr=False)
     _acc: list = field(default_factory=list, init=False, repr=False)  # L x [B, G, n] float32
 
-    def __post_init__(self):
-        if self.window <= 0:
-            raise RetentionError(f"--window must be a positive number of tokens, got {self.window}")
-
-    def min_recent(self) -> int:
-        return self.window
-
-    @contextlib.contextmanager
-    def _attached(self, model):
+    def reset(self) -> None:
         self._acc = []
-        with capture_queries(model) as rec:
-            self._recorder = rec
-            try:
-                yield self
-            finally:
-                self._recorder = None
-
-    def attach(self, model):
-        return self._attached(model)
 
     def accumulate(self, layer: int, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                    scaling: float) -> None:

@@ -22,17 +22,15 @@ the `w` newest tokens (`min_recent`), so the budget accounting counts the window
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from retention.cache import CacheView
-from retention.capture import QueryRecorder, capture_queries
 from retention.errors import RetentionError
 from retention.scorers import register
-from retention.scorers.base import Scorer
+from retention.scorers.base import WindowScorer
 
 
 def window_importance(queries: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scaling: float,
@@ -54,39 +52,21 @@ def window_importance(queries: torch.Tensor, keys: torch.Tensor, candidates: tor
 
 @register("snapkv")
 @dataclass
-class SnapKV(Scorer):
+class SnapKV(WindowScorer):
     """Decode-time SnapKV. Parameters: `window` (recent queries and protected tokens, default 8),
     `kernel` (max-pool width, odd, default 7)."""
 
-    per_layer = True
-    window: int = 8
     kernel: int = 7
-    _recorder: QueryRecorder | None = field(default=None, init=False, repr=False)
     _queries: list = field(default_factory=list, init=False, repr=False)  # L x [B, Hq, <=w, d]
     _scaling: float = field(default=1.0, init=False, repr=False)
 
     def __post_init__(self):
-        if self.window <= 0:
-            raise RetentionError(f"--window must be a positive number of tokens, got {self.window}")
+        super().__post_init__()
         if self.kernel <= 0 or self.kernel % 2 == 0:
             raise RetentionError(f"the pooling kernel must be a positive odd number, got {self.kernel}")
 
-    def min_recent(self) -> int:
-        """The window tokens are kept at every compaction; the cadence counts them inside `b`."""
-        return self.window
-
-    @contextlib.contextmanager
-    def _attached(self, model):
+    def reset(self) -> None:
         self._queries = []
-        with capture_queries(model) as rec:
-            self._recorder = rec
-            try:
-                yield self
-            finally:
-                self._recorder = None
-
-    def attach(self, model):
-        return self._attached(model)
 
     def observe(self, cache, next_position: int) -> None:
         """Append this forward's queries of every layer to the rolling window of the last `w`."""

@@ -420,3 +420,10 @@ def test_cli_preregister_refuses_overwrite_and_bad_budget(tmp_path):
     assert len(res.output.strip().splitlines()) == 1
     res = _preregister(tmp_path, "--treatment-set", "lambda")
     assert res.exit_code != 0 and "KEY=VALUE" in res.output
+
+
+def test_mismatch_compares_numbers_by_value():
+    assert prereg._mismatches({"temperature": 0, "top_p": 0.95}, {"temperature": 0.0, "top_p": 0.95}) == []
+    assert prereg._mismatches({"temperature": 0}, {"temperature": 0.6})[0]["field"] == "temperature"
+    assert prereg._mismatches({"fidelity": True}, {"fidelity": 1})[0]["field"] == "fidelity"
+    assert prereg._mismatches({"p": {"lam": 1}}, {"p": {"lam": 1.0}}) == []
