@@ -68,6 +68,8 @@ def accuracy_vs_cache(arms: list[dict]) -> bytes:
         ax.set_title(str(model))
         ax.set_xlabel("measured mean cache (tokens per layer and KV head)")
         ax.set_ylabel("accuracy (%), 95% CI")
+        ax.set_ylim(-3, 103)  # the whole scale: a flat 0% must not look like noise around zero
+        ax.margins(x=0.12)  # room for the budget labels at the edges
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _png(fig)
