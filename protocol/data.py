@@ -80,13 +80,15 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def read_json_objects(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every non-blank line of a strict JSONL file of JSON objects.
+
+    A file that is not UTF-8, a line that is not JSON or not an object raises `ProtocolError` naming
+    the line; a missing file raises `FileNotFoundError` for the caller to word."""
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ProtocolError(f"MATH-500 data file not found: {path}") from None
     except UnicodeDecodeError as exc:
-        raise ProtocolError(f"MATH-500 data file {path} is not UTF-8: {exc}") from None
+        raise ProtocolError(f"{path}: not UTF-8 ({exc.reason})") from None
     rows = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -94,11 +96,18 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ProtocolError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+            raise ProtocolError(f"{path}:{n}: not valid JSON ({exc.msg}, column {exc.colno})") from None
         if not isinstance(row, dict):
             raise ProtocolError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        rows.append(row)
+        rows.append((n, row))
     return rows
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        return [row for _, row in read_json_objects(path)]
+    except FileNotFoundError:
+        raise ProtocolError(f"MATH-500 data file not found: {path}") from None
 
 
 def _hub_rows() -> list[dict[str, Any]]:

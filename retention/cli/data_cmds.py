@@ -55,22 +55,10 @@ def splits_show(name: str, data: Path | None, splits_dir: Path | None) -> None:
     click.echo("\n".join(split_ids(name, data, splits_dir)))
 
 
-def _read_records(path: Path) -> list[dict]:
-    records = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(f"{path}: not UTF-8 ({exc.reason})") from None
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ProtocolError(f"{path}:{n}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-        if not isinstance(rec, dict):
-            raise ProtocolError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
-        records.append((n, rec))
+def _read_records(path: Path) -> list[tuple[int, dict]]:
+    from protocol.data import read_json_objects
+
+    records = read_json_objects(path)
     if not records:
         raise ProtocolError(f"{path}: no records")
     return records
