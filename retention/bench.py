@@ -17,15 +17,11 @@ import time
 
 
 def _policy(scorer: str, budget: int | None, interval: int | None, accounting: str, params: dict):
-    from retention.cadence import Cadence, default_interval
-    from retention.policy import RetentionPolicy
+    from retention.policy import RetentionPolicy, cadence_for
     from retention.scorers import make_scorer
 
     sc = make_scorer(scorer, **params)
-    b = budget if sc.evicts else None
-    n = interval or (default_interval(b) if b else 1)
-    recent = max(sc.default_recent, sc.min_recent() if hasattr(sc, "min_recent") else 0)
-    return RetentionPolicy(sc, Cadence(b, n, accounting, sink=sc.default_sink, recent=recent))
+    return RetentionPolicy(sc, cadence_for(sc, budget, interval, accounting))
 
 
 def _median_ms(xs: list[float]) -> float | None:

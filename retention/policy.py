@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retention.cache import RetentionCache
-from retention.cadence import Cadence
+from retention.cadence import Cadence, default_interval
 from retention.meter import BudgetMeter
 from retention.scorers.base import Scorer
 
@@ -32,3 +32,17 @@ class RetentionPolicy:
         self.scorer.compacted(keep)
         meter.note_compaction(cache.stored_lengths())
         return True
+
+
+def cadence_for(scorer: Scorer, budget: int | None, interval: int | None = None, accounting: str = "mean",
+                sink: int | None = None, recent: int | None = None) -> Cadence:
+    """The cadence of `scorer` at `budget`: no budget for a scorer that never evicts, the default
+    interval `min(128, B)`, the scorer's own protected tokens unless `sink`/`recent` are given, and
+    at least the window a window scorer always keeps (`min_recent`)."""
+    budget = budget if scorer.evicts else None
+    interval = interval or (default_interval(budget) if budget else 1)
+    sink = scorer.default_sink if sink is None else sink
+    recent = scorer.default_recent if recent is None else recent
+    if hasattr(scorer, "min_recent"):
+        recent = max(recent, scorer.min_recent())
+    return Cadence(budget=budget, interval=interval, accounting=accounting, sink=sink, recent=recent)

@@ -29,7 +29,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 
 def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict, "Cadence"]:  # noqa: F821
     """The full configuration of one arm, its scorer parameters and its cadence."""
-    from retention.cadence import Cadence, default_interval
+    from retention.policy import cadence_for
     from retention.scorers import get_scorer_class
 
     cls = get_scorer_class(scorer)
@@ -40,15 +40,10 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
     extra = {}
     if "stats" in params:
         params["stats"], extra["stats_sha256"] = _resolve_stats(params["stats"], base["model"])
-    budget = base["budget"] if cls.evicts else None
-    if cls.evicts and budget is None:
+    if cls.evicts and base["budget"] is None:
         raise RetentionError(f"--budget is required for scorer {scorer!r}")
-    interval = base["interval"] or (default_interval(budget) if budget else 0) or 1
-    sink = cls.default_sink if base["sink"] is None else base["sink"]
-    recent = cls.default_recent if base["recent"] is None else base["recent"]
-    if hasattr(scorer_obj, "min_recent"):
-        recent = max(recent, scorer_obj.min_recent())
-    cadence = Cadence(budget=budget, interval=interval, accounting=base["accounting"], sink=sink, recent=recent)
+    cadence = cadence_for(scorer_obj, base["budget"], base["interval"], base["accounting"], base["sink"], base["recent"])
+    budget, interval, sink, recent = cadence.budget, cadence.interval, cadence.sink, cadence.recent
     config = dict(base, scorer=scorer, scorer_params=params, budget=budget, interval=interval,
                   sink=sink, recent=recent, nominal_b=cadence.nominal, **extra)
     return config, params, cadence
