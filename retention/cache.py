@@ -77,10 +77,6 @@ class CacheView:
     def num_layers(self) -> int:
         return len(self.keys)
 
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[-2]
-
 
 class RetentionCache(Cache):
     """A transformers `Cache` of `RetentionLayer`s that a retention policy compacts between steps.

@@ -113,6 +113,3 @@ class Alpha(TriAttention):
         protected = torch.stack(view.protected) if self.per_layer else view.protected[0]
         sig = v_signatures(view, self.per_layer)
         return facility_location_keep(scores, sig, protected, k, self.lam, self.radius)
-
-    def params(self) -> dict:
-        return {**super().params(), "lam": self.lam, "radius": self.radius}

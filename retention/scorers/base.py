@@ -65,10 +65,6 @@ class Scorer:
     def compacted(self, keep: torch.Tensor) -> None:
         """Called with the kept indices after every compaction."""
 
-    def params(self) -> dict:
-        """Parameters recorded in the run configuration."""
-        return {}
-
 
 @dataclass
 class WindowScorer(Scorer):

@@ -92,6 +92,3 @@ class H2O(WindowScorer):
             raise RuntimeError("h2o: no accumulated attention (scorer used outside attach(), or observe() not called)")
         return torch.stack([acc.masked_fill(view.positions[l] >= view.next_position - self.window, float("inf"))
                             for l, acc in enumerate(self._acc)])
-
-    def params(self) -> dict:
-        return {"window": self.window}

@@ -20,6 +20,3 @@ class RandomScorer(Scorer):
             self._gen = torch.Generator().manual_seed(self.seed)
         k = view.keys[0]
         return torch.rand(k.shape[:3], generator=self._gen).to(k.device)
-
-    def params(self):
-        return {"seed": self.seed}

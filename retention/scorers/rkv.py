@@ -82,6 +82,3 @@ class RKV(SnapKV):
             red = key_redundancy(view.keys[l], view.positions[l], ~win, self.threshold)
             out.append((self.lam * imp - (1.0 - self.lam) * red).masked_fill(win, float("inf")))
         return torch.stack(out)
-
-    def params(self) -> dict:
-        return {**super().params(), "lam": self.lam, "threshold": self.threshold}

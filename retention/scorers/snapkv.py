@@ -94,6 +94,3 @@ class SnapKV(WindowScorer):
         """`[L, B, G, n]`: pooled importance, +inf on the window tokens."""
         return torch.stack([self.importance(view, l).masked_fill(self.window_mask(view, l), float("inf"))
                             for l in range(view.num_layers)])
-
-    def params(self) -> dict:
-        return {"window": self.window, "kernel": self.kernel}

@@ -162,8 +162,3 @@ class TriAttention(Scorer):
         for s in self.layer_scores(view):
             total = s if total is None else total + s
         return total / view.num_layers
-
-    def params(self) -> dict:
-        return {"stats": self.stats, "routing": self.routing}
-
-
