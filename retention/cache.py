@@ -185,6 +185,8 @@ class RetentionCache(Cache):
         if all(a == at[0] for a in at):  # every row at the same length: one slice write
             s = slice(at[0], at[0] + q)
             layer.kbuf[:, :, s], layer.vbuf[:, :, s], layer.pbuf[:, :, s] = key_states, value_states, pos
+            for b in layer.extra.values():  # per-token state of a new token starts at zero
+                b[:, :, s] = 0
         else:  # rows at different lengths (decode, q = 1): scatter each row's token at its own index
             if q != 1:
                 raise RuntimeError("a multi-token forward needs every row at the same stored length")
@@ -193,6 +195,8 @@ class RetentionCache(Cache):
             layer.kbuf[r, :, idx] = key_states[:, :, 0]
             layer.vbuf[r, :, idx] = value_states[:, :, 0]
             layer.pbuf[r, :, idx] = pos[:, :, 0]
+            for b in layer.extra.values():
+                b[r, :, idx] = 0
         layer.set_width(max(at) + q)
         if layer_idx == len(self.layers) - 1:
             self.lengths = [a + q for a in at]
@@ -213,6 +217,12 @@ class RetentionCache(Cache):
         return mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
 
     # -- reading ---------------------------------------------------------------------------------
+    def valid_mask(self) -> torch.Tensor:
+        """`[S, w]` bool: entry `j` of row `r` holds a stored token (`j < lengths[r]`)."""
+        dev = self.layers[0].kbuf.device
+        w = self.layers[0].keys.shape[2]
+        return torch.arange(w, device=dev)[None, :] < torch.tensor(self.lengths, device=dev)[:, None]
+
     def stored_lengths(self) -> list[int]:
         """Stored tokens per layer of a single-row cache (every layer and KV head holds the same)."""
         return [max(self.lengths, default=0)] * len(self.layers)

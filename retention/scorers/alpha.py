@@ -43,16 +43,18 @@ def v_signatures(view: CacheView, per_layer: bool) -> torch.Tensor:
     """
     B, _, _, d = view.values[0].shape
     dev = view.values[0].device
-    t = max(view.next_position, max(int(p.max()) + 1 for p in view.positions))
-    total = torch.zeros(B, t, d, dtype=torch.float32, device=dev)
-    count = torch.zeros(B, t, dtype=torch.float32, device=dev)
+    t = max(int(view.next_position.max()), max(int(p.max()) + 1 for p in view.positions))
+    # Padding (position -1) goes to an extra column `t` that no stored token reads.
+    total = torch.zeros(B, t + 1, d, dtype=torch.float32, device=dev)
+    count = torch.zeros(B, t + 1, dtype=torch.float32, device=dev)
     for v, p in zip(view.values, view.positions):
-        flat = p.reshape(B, -1)
+        flat = p.masked_fill(p < 0, t).reshape(B, -1)
         total.scatter_add_(1, flat[..., None].expand(-1, -1, d), v.float().reshape(B, -1, d))
         count.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float32))
     u = F.normalize(total / count.clamp(min=1)[..., None], dim=-1)  # zero vectors stay zero: cos 0
     layers = view.positions if per_layer else view.positions[:1]
-    out = [torch.gather(u, 1, p.reshape(B, -1, 1).expand(-1, -1, d)).reshape(*p.shape, d) for p in layers]
+    out = [torch.gather(u, 1, p.masked_fill(p < 0, t).reshape(B, -1, 1).expand(-1, -1, d)).reshape(*p.shape, d)
+           for p in layers]
     return torch.stack(out) if per_layer else out[0]
 
 

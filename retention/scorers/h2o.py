@@ -17,7 +17,7 @@ tokens; here the recent part is the `window` option, like the other window-based
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,42 +53,33 @@ def attention_mass(query: torch.Tensor, keys: torch.Tensor, key_pos: torch.Tenso
 @register("h2o")
 @dataclass
 class H2O(WindowScorer):
-    """Accumulated attention mass + recent window. Parameter: `window` (protected newest tokens, default 8)."""
+    """Accumulated attention mass + recent window. Parameter: `window` (protected newest tokens, default 8).
 
-    _acc: list = field(default_factory=list, init=False, repr=False)  # L x [B, G, n] float32
+    The accumulator is per-token state stored in the cache itself (`RetentionCache.add_extra`,
+    `[S, G, cap]` float32 per layer), so it follows every compaction, row move and slot refill
+    exactly like the keys, and a new token's entry starts at zero."""
 
-    def reset(self) -> None:
-        self._acc = []
+    EXTRA = "h2o_mass"
 
-    def accumulate(self, layer: int, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                   scaling: float) -> None:
-        """Add the mass from `query` `[B, Hq, q, d]` (the newest `q` stored tokens' queries) to the
-        accumulator of `layer`, first extending it with zeros for the tokens stored since last time."""
-        while len(self._acc) <= layer:
-            self._acc.append(None)
-        B, G, n = positions.shape
-        acc = self._acc[layer]
-        if acc is None:
-            acc = torch.zeros(B, G, 0, dtype=torch.float32, device=keys.device)
-        if acc.shape[-1] < n:
-            acc = torch.cat([acc, acc.new_zeros(B, G, n - acc.shape[-1])], dim=-1)
-        # The new tokens are the last q stored; every KV head holds them, at the same positions.
-        query_pos = positions[:, 0, n - query.shape[2]:]
-        self._acc[layer] = acc + attention_mass(query, keys, positions, query_pos, scaling)
-
-    def observe(self, cache, next_position: int) -> None:
+    def observe(self, cache, next_position: list[int]) -> None:
+        valid = cache.valid_mask()  # [R, w]
         for i, call in enumerate(self._recorder.take(cache)):
             layer = cache.layers[i]
-            self.accumulate(i, call.query, layer.keys, layer.positions, call.scaling)
-
-    def compacted(self, keep: torch.Tensor) -> None:
-        """Keep the accumulator aligned with the cache: gather the kept slots (`[L, B, G, k]`)."""
-        for i, acc in enumerate(self._acc):
-            self._acc[i] = torch.gather(acc, -1, keep[i] if keep.dim() == 4 else keep)
+            acc = cache.add_extra(i, self.EXTRA)
+            w = layer.keys.shape[2]
+            q = call.query.shape[2]
+            # Padding must receive no mass: give it a position no query can see.
+            key_pos = layer.positions.masked_fill(~valid[:, None, :], torch.iinfo(torch.long).max)
+            # The new tokens are the last q stored of each row; every KV head holds them.
+            ends = torch.tensor(cache.lengths, device=key_pos.device)
+            idx = (ends[:, None] - q + torch.arange(q, device=key_pos.device)[None]).clamp(min=0)
+            query_pos = torch.gather(layer.positions[:, 0], 1, idx)
+            acc[:, :, :w] += attention_mass(call.query, layer.keys, key_pos, query_pos, call.scaling)
 
     def score(self, view: CacheView) -> torch.Tensor:
-        """`[L, B, G, n]`: accumulated mass, +inf on the `window` newest tokens."""
-        if len(self._acc) != view.num_layers:
+        """`[L, B, G, n]`: accumulated mass, +inf on the `window` newest tokens, -inf on padding."""
+        if not view.extra or self.EXTRA not in view.extra[0]:
             raise RuntimeError("h2o: no accumulated attention (scorer used outside attach(), or observe() not called)")
-        return torch.stack([acc.masked_fill(view.positions[l] >= view.next_position - self.window, float("inf"))
-                            for l, acc in enumerate(self._acc)])
+        recent = view.next_position[:, None, None] - self.window
+        return torch.stack([view.extra[l][self.EXTRA].masked_fill(view.positions[l] >= recent, float("inf"))
+                            .masked_fill(~view.valid[l], float("-inf")) for l in range(view.num_layers)])

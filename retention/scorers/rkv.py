@@ -74,11 +74,12 @@ class RKV(SnapKV):
             raise RetentionError(f"--lambda for rkv must lie in [0, 1], got {self.lam}")
 
     def score(self, view: CacheView) -> torch.Tensor:
-        """`[L, B, G, n]`: `lam * I - (1 - lam) * R`, +inf on the window tokens."""
+        """`[L, B, G, n]`: `lam * I - (1 - lam) * R`, +inf on the window tokens, -inf on padding."""
         out = []
         for l in range(view.num_layers):
             win = self.window_mask(view, l)
             imp = self.importance(view, l)
-            red = key_redundancy(view.keys[l], view.positions[l], ~win, self.threshold)
-            out.append((self.lam * imp - (1.0 - self.lam) * red).masked_fill(win, float("inf")))
+            red = key_redundancy(view.keys[l], view.positions[l], ~win & view.valid[l], self.threshold)
+            out.append((self.lam * imp - (1.0 - self.lam) * red).masked_fill(win, float("inf"))
+                       .masked_fill(~view.valid[l], float("-inf")))
         return torch.stack(out)
