@@ -78,8 +78,9 @@ class SnapKV(WindowScorer):
         """Roll this forward's queries of every row into its slot's window of the last `w`."""
         calls = self._recorder.take(cache)
         q_new = calls[0].query.shape[2]
-        slots = torch.tensor(cache.slots, device=calls[0].query.device)
-        need = max(cache.slots) + 1
+        row_slots = getattr(cache, "slots", None) or list(range(calls[0].query.shape[0]))
+        slots = torch.tensor(row_slots, device=calls[0].query.device)
+        need = max(row_slots) + 1
         for i, call in enumerate(calls):
             q = call.query
             R, Hq, _, d = q.shape
@@ -92,7 +93,7 @@ class SnapKV(WindowScorer):
                 buf[slots] = q[:, :, -self.window:]
             else:
                 buf[slots] = torch.cat([buf[slots][:, :, q_new:], q], dim=2)
-        for s in cache.slots:
+        for s in row_slots:
             self._count[s] = min(self.window, self._count.get(s, 0) + q_new)
         self._scaling = calls[0].scaling
 
