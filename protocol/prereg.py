@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import hashlib
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from protocol.errors import ProtocolError
+from protocol.io import canonical_json, dumps, load_json, load_json_object, sha256_file, sha256_text, write_atomic
 
 PLAN_SCHEMA = "retention.plan/1"
 # Version of the run-configuration schema a plan was registered against. The runtime may pass its
@@ -55,44 +55,7 @@ DEFAULT_RUNNER: Runner | None = None
 
 
 # --------------------------------------------------------------------------------------------------
-# Canonical JSON, hashes, atomic files
-
-
-def canonical_json(obj) -> str:
-    """Sorted keys, no whitespace, no NaN: the byte string that hashes identify."""
-    try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
-    except ValueError as exc:
-        raise ProtocolError(f"cannot hash a value that is not plain JSON: {exc}") from None
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    mode = "wb" if isinstance(data, bytes) else "w"
-    try:
-        with open(tmp, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+# Time stamps
 
 
 def _now() -> str:
@@ -193,16 +156,16 @@ def write_plan(plan: dict, out: Path) -> tuple[Path, str, bool]:
     path = out / f"plan-{h[:12]}.json" if as_dir else out
     if path.exists():
         try:
-            existing = json.loads(path.read_text(encoding="utf-8"))
+            existing = load_json_object(path, "plan file")
             same = existing.get("plan_hash") == h and plan_hash(existing.get("plan")) == h
-        except (ValueError, AttributeError, ProtocolError):
+        except (AttributeError, ProtocolError):
             same = False
         if not same:
             raise ProtocolError(f"{path} already holds a different plan; refusing to overwrite it")
         return path, h, False
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"plan_hash": h, "registered_at": _now(), "plan": plan}
-    write_atomic(path, json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    write_atomic(path, dumps(doc, indent=2, sort_keys=True) + "\n")
     return path, h, True
 
 
@@ -211,9 +174,9 @@ def load_plan(path: Path) -> tuple[dict, str]:
     `plan-<prefix>.json` must carry a hash with that prefix. Returns (plan, hash)."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ProtocolError(f"{path}: not a plan file ({exc})") from None
+        doc = load_json(path, "plan file")
+    except ProtocolError as exc:
+        raise ProtocolError(f"not a plan file: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("plan"), dict):
         raise ProtocolError(f"{path}: not a plan file (no 'plan' object)")
     stored, actual = doc.get("plan_hash"), plan_hash(doc["plan"])
@@ -383,8 +346,8 @@ def _exclusive(out_dir: Path):
 
 def _read_run_config(run_dir: Path) -> dict:
     try:
-        return json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        return load_json_object(Path(run_dir) / "config.json", "run configuration")
+    except ProtocolError as exc:
         raise ProtocolError(f"runner returned {run_dir} without a readable config.json ({exc})") from None
 
 
@@ -500,7 +463,7 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner | None = None, *,
                            "model_revision": meta.get("config", {}).get("model_revision"),
                            "ledger_entry": entry["hash"],
                            "records_sha256": entry["runs"][arm]["records_sha256"]}
-                write_atomic(Path(run_dir) / "confirm.json", json.dumps(sidecar, indent=2) + "\n")
+                write_atomic(Path(run_dir) / "confirm.json", dumps(sidecar, indent=2) + "\n")
             say(f"{cid}: confirmed, d = {100 * entry['result']['estimate']:+.2f} pp, "
                 f"p = {entry['result']['p_bootstrap']:.4g} ({entry['result']['verdict']})")
             written.append(entry)

@@ -24,6 +24,7 @@ import numpy as np
 
 from protocol import stats
 from protocol.errors import ProtocolError
+from protocol.io import load_json_object, read_jsonl
 
 BASELINE_SCORER = "triattention"
 SUBSET_BOOT = 20_000  # resamples per nested-subset test: a diagnostic, not a decision
@@ -85,20 +86,9 @@ class Run:
 def _read_jsonl(path: Path, what: str) -> tuple[list, list]:
     """Parse a JSONL file; a half-written last line (a run killed mid-write) is dropped with a
     warning, any other unreadable line is an error. Returns (objects, warnings)."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    out, warnings = [], []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if i == len(lines) - 1:  # no trailing newline: the writer was interrupted
-                warnings.append(f"{path}: dropped a half-written last line")
-                continue
-            raise ProtocolError(f"{path}:{i + 1}: unreadable {what} line") from None
-    return out, warnings
+    read = read_jsonl(path, what)
+    warnings = [f"{path}: dropped a half-written last line"] if read.partial_tail else []
+    return read.objects, warnings
 
 
 def _lazy_grade():
@@ -115,9 +105,9 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
     if not cfg_path.is_file() or not rec_path.is_file():
         raise ProtocolError(f"{path} is not a run directory (needs config.json and records.jsonl)")
     try:
-        meta = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ProtocolError(f"{cfg_path}: unreadable ({exc})") from None
+        meta = load_json_object(cfg_path, "run configuration")
+    except ProtocolError as exc:
+        raise ProtocolError(f"unreadable run configuration: {exc}") from None
     if not isinstance(meta.get("config"), dict):
         raise ProtocolError(f"{cfg_path}: no 'config' object")
     records, warnings = _read_jsonl(rec_path, "record")
@@ -143,7 +133,7 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
                 rec.setdefault("rule", g.rule)
     confirm = None
     if (path / "confirm.json").is_file():
-        confirm = json.loads((path / "confirm.json").read_text(encoding="utf-8"))
+        confirm = load_json_object(path / "confirm.json", "confirmation sidecar")
     trace = None
     if with_trace and (path / "trace.jsonl").is_file():
         trace, w = _read_jsonl(path / "trace.jsonl", "trace")
@@ -417,7 +407,8 @@ def _find_confirm_dirs(runs: list[Run], explicit) -> list[Path]:
 def provenance(runs: list[Run], confirm_dirs) -> dict:
     """Plan hashes of the runs, verified ledgers and deviation logs of their confirm directories,
     and warnings for records changed since confirmation."""
-    from protocol.prereg import read_confirmation, sha256_file
+    from protocol.io import sha256_file
+    from protocol.prereg import read_confirmation
 
     out = {"plan_hashes": sorted({r.plan_hash for r in runs if r.plan_hash}), "confirm_dirs": [],
            "deviations": [], "ledger_cells": [], "warnings": [], "plan_m": None}
@@ -742,7 +733,7 @@ def write_report(rep: Report, out_dir) -> list[Path]:
     """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically)."""
     import pandas as pd
 
-    from protocol.prereg import write_atomic
+    from protocol.io import dumps, write_atomic
     from protocol import report_figures
 
     out_dir = Path(out_dir)
@@ -761,7 +752,7 @@ def write_report(rep: Report, out_dir) -> list[Path]:
     if rep.proxy:
         put("diag_proxy.csv", pd.DataFrame(rep.proxy).to_csv(index=False))
     put("report.tex", to_latex(rep))
-    put("report.json", json.dumps(json_safe(rep.to_dict()), indent=1) + "\n")
+    put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
     for name, png in report_figures.render_all(rep).items():
         put(name, png)
     return written

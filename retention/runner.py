@@ -12,8 +12,6 @@ seed per (problem, sample), so an interrupted comparison stays paired.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import platform
 import re
 import subprocess
@@ -21,15 +19,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.io import append_line, canonical_json, jsonl_line, load_json_object, read_jsonl, write_json
 from retention import __version__
 from retention.errors import RetentionError
 
 # Bumped when the meaning of a configuration field changes; plans and ledgers record it.
 CONFIG_SCHEMA_VERSION = 1
-
-
-def canonical_json(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def config_hash(config: dict) -> str:
@@ -86,29 +81,19 @@ class RecordStore:
     def _repair_and_load(self) -> None:
         if not self.path.exists():
             return
-        data = self.path.read_bytes()
-        good = data.rfind(b"\n") + 1  # a last line without newline was cut mid-write
-        lines = data[:good].splitlines()
-        valid_end = 0
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break  # a corrupted line: keep what precedes it
+        # Only a half-written last line is repaired; a corrupt earlier line is refused by number.
+        read = read_jsonl(self.path, "record")
+        for _lineno, rec in read.rows:
             self.done[(rec["problem_id"], rec["sample"])] = rec
-            valid_end += len(line) + 1
-        if valid_end < len(data):
+        if read.partial_tail:
             with open(self.path, "r+b") as f:
-                f.truncate(valid_end)
+                f.truncate(read.valid_end)
 
     def has(self, problem_id: str, sample: int) -> bool:
         return (problem_id, sample) in self.done
 
     def append(self, record: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, jsonl_line(record))
         self.done[(record["problem_id"], record["sample"])] = record
 
 
@@ -125,7 +110,7 @@ class RunDir:
         cfg_file = self.path / "config.json"
         h = config_hash(self.config)
         if cfg_file.exists():
-            existing = json.loads(cfg_file.read_text())
+            existing = load_json_object(cfg_file, "run configuration")
             if existing.get("config_hash") != h:
                 raise RetentionError(f"{cfg_file} belongs to another configuration; choose another --out")
         else:
@@ -138,9 +123,7 @@ class RunDir:
                 "code_version": code_version(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
-            tmp = cfg_file.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            tmp.replace(cfg_file)
+            write_json(cfg_file, meta)
         self.records = RecordStore(self.path / "records.jsonl")
 
     @property
@@ -148,8 +131,8 @@ class RunDir:
         return config_hash(self.config)
 
     def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float]) -> None:
-        with open(self.path / "trace.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}) + "\n")
+        append_line(self.path / "trace.jsonl",
+                    jsonl_line({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}))
 
 
 def open_run(out: Path, config: dict) -> RunDir:

@@ -7,10 +7,7 @@ which the CLI prints as one line with exit status 1.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -96,24 +93,6 @@ def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> li
     return pairs
 
 
-def _write_atomic(path: Path, lines: list[str]) -> None:
-    """Write next to `path` and rename over it, so a crash never leaves half a file."""
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.writelines(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def summary_line(grades) -> str:
     n = len(grades)
     correct = sum(g.verdict is True for g in grades)
@@ -141,6 +120,7 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
     Each record is written back with 'extracted', 'verdict', 'reason' and 'rule' added.
     """
     from protocol.grading import grade_many
+    from protocol.io import dumps, write_atomic
 
     records = _read_records(file)
     pairs = _pairs(file, records, data)
@@ -148,14 +128,15 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
     lines = []
     for (_, rec), g in zip(records, grades):
         rec.update(g.as_record())
-        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+        lines.append(dumps(rec) + "\n")
     line = summary_line(grades)
     if out is None:
-        sys.stdout.writelines(lines)
+        # Bytes, not text: a terminal's encoding must not fail on text the JSON escapes carry.
+        sys.stdout.buffer.write("".join(lines).encode("utf-8"))
         sys.stdout.flush()
         click.echo(line, err=True)
     else:
-        _write_atomic(out, lines)
+        write_atomic(out, "".join(lines))
         click.echo(f"{line} -> {out}")
 
 
