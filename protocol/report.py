@@ -24,7 +24,8 @@ import numpy as np
 
 from protocol import stats
 from protocol.errors import ProtocolError
-from protocol.io import load_json_object, read_jsonl
+from protocol.io import load_json_object, read_jsonl, sha256_file
+from protocol.ledger import Registry, read_confirmation
 
 BASELINE_SCORER = "triattention"
 SUBSET_BOOT = 20_000  # resamples per nested-subset test: a diagnostic, not a decision
@@ -404,16 +405,41 @@ def _find_confirm_dirs(runs: list[Run], explicit) -> list[Path]:
     return list(dict.fromkeys(d.resolve() for d in dirs))
 
 
-def provenance(runs: list[Run], confirm_dirs) -> dict:
-    """Plan hashes of the runs, verified ledgers and deviation logs of their confirm directories,
-    and warnings for records changed since confirmation."""
-    from protocol.io import sha256_file
-    from protocol.prereg import read_confirmation
+def is_confirm_run(run: Run) -> bool:
+    """A run on the confirm split (or made for a plan): its numbers count only if confirmed."""
+    return run.config.get("split") == "confirm" or run.plan_hash is not None
 
+
+def confirmation_status(run: Run, registry: Registry) -> str | None:
+    """None when the run is an arm of a cell confirmed in the registry with exactly these records;
+    else why not (printed as UNCONFIRMED)."""
+    h = run.plan_hash
+    if h is None:
+        return "confirm-split run without a plan hash"
+    if registry.key(h) is None:
+        return f"plan {h[:12]} is not in the registry {registry.root}: cannot verify"
+    records = sha256_file(run.path / "records.jsonl")
+    config_hash = run.meta.get("config_hash")
+    changed = False
+    for entry in registry.ledger(h).entries():
+        for info in (entry.get("runs") or {}).values():
+            if info.get("config_hash") == config_hash and info.get("run_id") == run.meta.get("run_id"):
+                if info.get("records_sha256") == records:
+                    return None
+                changed = True
+    if changed:
+        return "records changed since confirmation"
+    return f"no ledger entry of plan {h[:12]} for this run"
+
+
+def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) -> dict:
+    """Plan hashes of the runs, verified ledgers and deviation logs of their confirm directories,
+    and, per confirm-split run, why it is not a confirmed result (`unconfirmed`: run id -> reason)."""
+    registry = registry or Registry()
     out = {"plan_hashes": sorted({r.plan_hash for r in runs if r.plan_hash}), "confirm_dirs": [],
-           "deviations": [], "ledger_cells": [], "warnings": [], "plan_m": None}
+           "deviations": [], "ledger_cells": [], "warnings": [], "plan_m": None, "unconfirmed": {}}
     for d in _find_confirm_dirs(runs, confirm_dirs):
-        conf = read_confirmation(d)  # raises on a tampered ledger or deviation log
+        conf = read_confirmation(d, registry)  # raises on a tampered ledger or deviation log
         out["confirm_dirs"].append(str(d))
         out["deviations"] += conf["deviations"]
         for entry in conf["cells"]:
@@ -422,13 +448,12 @@ def provenance(runs: list[Run], confirm_dirs) -> dict:
                                         "model_revision": entry.get("model_revision"),
                                         "hash": entry["hash"]})
             out["plan_m"] = entry.get("result", {}).get("m", out["plan_m"])
-            for arm, info in entry.get("runs", {}).items():
-                path = Path(info["path"])
-                path = path if path.is_absolute() else d / path
-                rec = path / "records.jsonl"
-                if rec.is_file() and sha256_file(rec) != info.get("records_sha256"):
-                    out["warnings"].append(f"{rec}: records changed since cell {entry['cell_id']} "
-                                           "was confirmed")
+    for run in runs:
+        if is_confirm_run(run):
+            why = confirmation_status(run, registry)
+            if why is not None:
+                out["unconfirmed"][run.run_id] = why
+                out["warnings"].append(f"UNCONFIRMED {run.path}: {why}")
     return out
 
 
@@ -475,6 +500,11 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int = stats.BOO
                         "budget_exceeded", "accounting"):
                 row[prefix + key] = s[key]
         row["plan_hash"] = t.plan_hash or b.plan_hash
+        why = [prov["unconfirmed"][r.run_id] for r in (t, b) if r.run_id in prov["unconfirmed"]]
+        row["confirmation"] = ("UNCONFIRMED: " + "; ".join(dict.fromkeys(why)) if why
+                               else "confirmed" if is_confirm_run(t) or is_confirm_run(b) else "dev")
+        if why:  # a number that is not the pre-registered evidence must not read like one
+            row["verdict"] = f"UNCONFIRMED ({row['verdict']})"
         rows.append(row)
         for sub in effect_vs_n(data, seed=seed, boot=min(boot, subset_boot)):
             subsets.append({"model": t.model, "budget": t.budget, "accounting": t.accounting,
@@ -598,7 +628,7 @@ def terminal_summary(rep: Report) -> str:
              f"{r['delta_pp']:+.2f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
              _fmt_p(r["p_bootstrap"]), _fmt_p(r["p_bonferroni"]), r["verdict"], str(r["n"]),
              str(r["k"])] for r in rep.comparisons]
-    out = [_text_table(arm_head, arm_body), "",
+    out = [*unconfirmed_banner(rep), _text_table(arm_head, arm_body), "",
            _text_table(head, body),
            f"cluster bootstrap B={rep.settings['boot']} seed={rep.settings['seed']}, "
            f"Bonferroni over m={rep.settings['m']} at alpha={rep.settings['alpha']}"]
@@ -620,6 +650,17 @@ def terminal_summary(rep: Report) -> str:
                    f"{len(prov['deviations'])} deviation(s) logged")
     out += [f"note: {n}" for n in rep.notes]
     return "\n".join(out)
+
+
+def unconfirmed_banner(rep: Report) -> list[str]:
+    """Lines shouting that confirm-split numbers lack a valid confirmation (empty when all hold)."""
+    bad = rep.provenance.get("unconfirmed") or {}
+    if not bad:
+        return []
+    bar = "!" * 78
+    return [bar, f"!!! UNCONFIRMED: {len(bad)} confirm-split run(s) have no valid ledger entry or were "
+                 "changed since confirmation.", "!!! Their comparisons are NOT pre-registered evidence:",
+            *(f"!!!   {run_id}: {why}" for run_id, why in sorted(bad.items())), bar, ""]
 
 
 _TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
@@ -714,6 +755,10 @@ def to_latex(rep: Report) -> str:
                             ["Model", "Budget", "Arm", "Acct.", "Acc. (\\%)", "KL", "Top-1 agr."],
                             body))
     prov = rep.provenance
+    if prov.get("unconfirmed"):
+        out.append("\\begin{center}\\fbox{\\Large\\textbf{UNCONFIRMED: "
+                   f"{len(prov['unconfirmed'])} confirm-split run(s) without a valid ledger entry; "
+                   "not pre-registered evidence}}\\end{center}")
     if prov["plan_hashes"] or prov["deviations"]:
         out.append("\\paragraph{Pre-registration.} Plan "
                    + ", ".join(f"\\texttt{{{h[:12]}}}" for h in prov["plan_hashes"]) + ". "
