@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.io import append_line, canonical_json, jsonl_line, load_json_object, read_jsonl, write_json
+from protocol.io import (append_line, canonical_json, ensure_dir, jsonl_line, load_json_object, read_jsonl,
+                         write_atomic, write_json)
 from retention import __version__
 from retention.errors import RetentionError
 
@@ -70,24 +71,48 @@ def run_id_for(config: dict) -> str:
     return f"{model}-{config['scorer']}-{budget}-{config_hash(config)[:10]}"
 
 
-class RecordStore:
-    """Append-only `records.jsonl` with crash-safe resume."""
+def _key(row: dict, where: str) -> tuple[str, int]:
+    pid, sample = row.get("problem_id"), row.get("sample")
+    if not isinstance(pid, str) or not isinstance(sample, int) or isinstance(sample, bool):
+        raise RetentionError(f"{where}: needs a string problem_id and an integer sample")
+    return pid, sample
 
-    def __init__(self, path: Path):
+
+def _repair_tail(path: Path, read) -> None:
+    """Cut a half-written last line (a writer killed mid-line) so the next append starts clean."""
+    if read.partial_tail:
+        with open(path, "r+b") as f:
+            f.truncate(read.valid_end)
+
+
+class RecordStore:
+    """Append-only `records.jsonl` with crash-safe resume.
+
+    Resume keeps every valid line, cuts a half-written last line, and refuses (with the line
+    number) a corrupt earlier line, a duplicated (problem, sample) and a record of another
+    configuration: silently dropping or mixing records would bias what a report computes.
+    """
+
+    def __init__(self, path: Path, config_hash: str | None = None):
         self.path = path
+        self.config_hash = config_hash
         self.done: dict[tuple[str, int], dict] = {}
         self._repair_and_load()
 
     def _repair_and_load(self) -> None:
         if not self.path.exists():
             return
-        # Only a half-written last line is repaired; a corrupt earlier line is refused by number.
         read = read_jsonl(self.path, "record")
-        for _lineno, rec in read.rows:
-            self.done[(rec["problem_id"], rec["sample"])] = rec
-        if read.partial_tail:
-            with open(self.path, "r+b") as f:
-                f.truncate(read.valid_end)
+        for lineno, rec in read.rows:
+            where = f"{self.path}:{lineno}"
+            key = _key(rec, where)
+            if self.config_hash is not None and rec.get("config_hash") != self.config_hash:
+                raise RetentionError(f"{where}: record of another configuration "
+                                     f"({str(rec.get('config_hash'))[:10]}, this run is {self.config_hash[:10]})")
+            if key in self.done:
+                raise RetentionError(f"{where}: duplicated record {key}")
+            self.done[key] = rec
+        _repair_tail(self.path, read)
 
     def has(self, problem_id: str, sample: int) -> bool:
         return (problem_id, sample) in self.done
@@ -99,14 +124,20 @@ class RecordStore:
 
 @dataclass
 class RunDir:
-    """One arm's run directory."""
+    """One arm's run directory, held under an exclusive lock while this object lives.
+
+    Write order per (problem, sample): the trace line, then the record. A kill between the two
+    leaves a trace line without its record; opening the directory drops such lines (and any
+    duplicate), so after a resume each record has exactly one trace line.
+    """
 
     path: Path
     config: dict
     records: RecordStore = field(init=False)
 
     def __post_init__(self):
-        self.path.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.path, "run directory")
+        self._lock = _hold_lock(self.path)
         cfg_file = self.path / "config.json"
         h = config_hash(self.config)
         if cfg_file.exists():
@@ -124,15 +155,70 @@ class RunDir:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             write_json(cfg_file, meta)
-        self.records = RecordStore(self.path / "records.jsonl")
+        self.records = RecordStore(self.path / "records.jsonl", h)
+        self._repair_trace()
+
+    def _repair_trace(self) -> None:
+        path = self.path / "trace.jsonl"
+        if not path.exists():
+            return
+        read = read_jsonl(path, "trace")
+        keep, seen = [], set()
+        for lineno, row in read.rows:
+            key = _key(row, f"{path}:{lineno}")
+            if key in self.records.done and key not in seen:
+                seen.add(key)
+                keep.append(row)
+        if len(keep) != len(read.rows):
+            write_atomic(path, b"".join(jsonl_line(r) for r in keep))
+        else:
+            _repair_tail(path, read)
+
+    def close(self) -> None:
+        """Release the directory's lock (also released when the process ends, however it ends)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     @property
     def hash(self) -> str:
         return config_hash(self.config)
 
+    def missing(self, problems, samples: int):
+        """(problem, sample index) pairs without a record, generated lazily in problem order."""
+        return ((p, s) for p in problems for s in range(samples) if not self.records.has(p.unique_id, s))
+
     def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float]) -> None:
         append_line(self.path / "trace.jsonl",
                     jsonl_line({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}))
+
+
+def _hold_lock(run_dir: Path):
+    """An open file holding an exclusive flock on `<run dir>/.lock` (non-blocking)."""
+    import fcntl
+
+    fh = open(run_dir / ".lock", "a")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise RetentionError(f"another run is writing {run_dir}; wait for it to finish (one writer per "
+                             "run directory)") from None
+    return fh
+
+
+def pending(arms: list["Arm"], problems, samples: int):
+    """Every missing (problem, sample, arm), lazily: nothing is allocated per sample."""
+    return ((p, s, a) for p in problems for s in range(samples) for a in arms
+            if not a.run.records.has(p.unique_id, s))
+
+
+def count_pending(arms: list["Arm"], problems, samples: int) -> tuple[int, int]:
+    """(total, missing) generations; counted without materialising the pairs."""
+    total = len(problems) * samples * len(arms)
+    ids = {p.unique_id for p in problems}
+    done = sum(1 for a in arms for pid, s in a.run.records.done if pid in ids and s < samples)
+    return total, total - done
 
 
 def open_run(out: Path, config: dict) -> RunDir:
@@ -170,9 +256,9 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token
-    todo = [(p, s, a) for p in problems for s in range(samples) for a in arms if not a.run.records.has(p.unique_id, s)]
-    total = len(problems) * samples * len(arms)
-    bar = tqdm(total=total, initial=total - len(todo), disable=not progress, unit="gen", dynamic_ncols=True)
+    todo = pending(arms, problems, samples)
+    total, missing = count_pending(arms, problems, samples)
+    bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="gen", dynamic_ncols=True)
     prompts: dict[str, list[int]] = {}
     for p, s, arm in todo:
         prompt = prompts.setdefault(p.unique_id, format_prompt(tok, p.problem))
