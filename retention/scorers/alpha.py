@@ -2,11 +2,12 @@
 
 Only the selection step differs from `triattention` (same scores, cadence and cache).
 
-V-signature of a token: the mean of its value vectors over all layers and all KV heads holding it,
-L2-normalised (`u`, `[d]`). Before any eviction every (layer, KV head) holds every token, so this is
-the plain mean over all `L * G` value vectors; once KV heads (or, with per-layer routing, layers)
-keep different tokens, a token's signature averages the copies that are still stored, identified by
-absolute position, so a stored slot always gets the signature of the token it holds.
+V-signature of a token: the mean of its value vectors over all `L` layers and all `G` KV heads,
+L2-normalised (`u`, `[d]`). It is computed once, when the token is written (then every (layer, KV
+head) holds it, `token_signatures`), and carried with the token: a per-slot buffer (`[B, G, n, d]`,
+or `[L, B, G, n, d]` with per-layer routing; about `1/L` of the values) is gathered with the same
+kept indices as the cache at every compaction. So a token's signature never depends on which of its
+copies later evictions left behind, and old and new tokens are compared on the same footing.
 
 Greedy selection per KV head (and per layer with `routing="per-layer"`), vectorised over batch and
 heads. The selected set starts with the protected tokens (they enter first, in index order, and add
@@ -23,7 +24,8 @@ the kept indices, sorted ascending, are bit-for-bit those of the top-k baseline.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,26 +36,15 @@ from retention.scorers import register
 from retention.scorers.triattention import TriAttention
 
 
-def v_signatures(view: CacheView, per_layer: bool) -> torch.Tensor:
-    """Unit V-signatures of the stored tokens: `[B, G, n, d]` (indexed like layer 0's slots; with
-    shared routing every layer stores the same tokens per KV head) or `[L, B, G, n, d]` per layer.
+def token_signatures(values) -> torch.Tensor:
+    """V-signatures of freshly written tokens.
 
-    A token's signature is the mean of all stored value vectors with its absolute position, over
-    all layers and KV heads, computed with one scatter-add per layer into a `[B, t, d]` table.
+    values: `L` tensors `[B, G, q, d]`, the value vectors of the `q` newest tokens in every layer
+    (every KV head of every layer holds a token when it is written). Returns `[B, q, d]` float32,
+    the mean over the `L * G` vectors, L2-normalised (a zero mean stays zero: cosine 0 to all).
     """
-    B, _, _, d = view.values[0].shape
-    dev = view.values[0].device
-    t = max(view.next_position, max(int(p.max()) + 1 for p in view.positions))
-    total = torch.zeros(B, t, d, dtype=torch.float32, device=dev)
-    count = torch.zeros(B, t, dtype=torch.float32, device=dev)
-    for v, p in zip(view.values, view.positions):
-        flat = p.reshape(B, -1)
-        total.scatter_add_(1, flat[..., None].expand(-1, -1, d), v.float().reshape(B, -1, d))
-        count.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float32))
-    u = F.normalize(total / count.clamp(min=1)[..., None], dim=-1)  # zero vectors stay zero: cos 0
-    layers = view.positions if per_layer else view.positions[:1]
-    out = [torch.gather(u, 1, p.reshape(B, -1, 1).expand(-1, -1, d)).reshape(*p.shape, d) for p in layers]
-    return torch.stack(out) if per_layer else out[0]
+    mean = torch.stack([v.float() for v in values]).mean(dim=(0, 2))
+    return F.normalize(mean, dim=-1)
 
 
 def facility_location_keep(scores: torch.Tensor, signatures: torch.Tensor, protected: torch.Tensor, k: int,
@@ -100,6 +91,8 @@ class Alpha(TriAttention):
 
     lam: float = 0.5
     radius: float = 0.0
+    # Unit V-signatures aligned with the stored slots: [B, G, n, d] (shared) or [L, B, G, n, d].
+    _sig: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -108,8 +101,40 @@ class Alpha(TriAttention):
         if self.radius != self.radius:
             raise RetentionError("--radius must be a number")
 
+    @contextlib.contextmanager
+    def _attached(self, model):
+        self._sig = None  # a new generation: no tokens yet
+        with super()._attached(model):
+            yield self
+
+    def add_tokens(self, values) -> None:
+        """Append the signatures of the newest tokens: `values` is `L` tensors `[B, G, q, d]`."""
+        u = token_signatures(values)  # [B, q, d]
+        B, G = values[0].shape[:2]
+        u = u[:, None].expand(B, G, *u.shape[1:])
+        if self.per_layer:
+            u = u[None].expand(len(values), *u.shape)
+        self._sig = u.clone() if self._sig is None else torch.cat([self._sig, u], dim=-2)
+
+    def observe(self, cache, next_position: int) -> None:
+        """Record the signatures of the tokens this forward wrote (the last slots of every layer)."""
+        have = 0 if self._sig is None else self._sig.shape[-2]
+        new = cache.layers[0].keys.shape[2] - have
+        if new > 0:
+            self.add_tokens([layer.values[:, :, -new:] for layer in cache.layers])
+
+    def compacted(self, keep: torch.Tensor) -> None:
+        """Carry the signatures with their tokens: gather the kept slots (`[B, G, k]` / `[L, B, G, k]`)."""
+        self._sig = torch.gather(self._sig, -2, keep[..., None].expand(*keep.shape, self._sig.shape[-1]))
+
+    def signatures(self, view: CacheView) -> torch.Tensor:
+        """The stored slots' signatures, checked against the view's length."""
+        n = view.keys[0].shape[2]
+        if self._sig is None or self._sig.shape[-2] != n:
+            raise RuntimeError("alpha: V-signatures out of step with the cache (observe() not called after a forward?)")
+        return self._sig
+
     def select(self, scores: torch.Tensor, view: CacheView, k: int) -> torch.Tensor:
         """Kept indices `[B, G, k]` (shared) or `[L, B, G, k]` (per layer), sorted ascending."""
         protected = torch.stack(view.protected) if self.per_layer else view.protected[0]
-        sig = v_signatures(view, self.per_layer)
-        return facility_location_keep(scores, sig, protected, k, self.lam, self.radius)
+        return facility_location_keep(scores, self.signatures(view), protected, k, self.lam, self.radius)
