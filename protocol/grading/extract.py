@@ -359,6 +359,31 @@ def _statement(text: str) -> tuple[int, str] | None:
     return m.start(), value
 
 
+_CONCLUSION = re.compile(r"(?i)(?:^|(?<=[.!?\n]))\s*(?:so|thus|therefore|hence|consequently|in total|in all|"
+                         r"altogether|overall|finally)\b[ ,]*")
+_ANY_NUMBER = re.compile(rf"(?<![\w.])(?:{_CLOCK}|{_NUMERAL})")
+
+
+def _conclusion(text: str) -> tuple[int, str] | None:
+    """(position, value) when the last sentence is a conclusion ("So", "Thus", "Therefore",
+    "In total", ...) that names exactly one number outside math: "So the recipe needs 2 1/2
+    cups." A concluding sentence with one number states the result whatever its verb; with
+    two numbers, or without a conclusion word, it is not taken (it may be working)."""
+    masked = _mask_math(text)
+    m = _last(_CONCLUSION, masked)
+    if m is None:
+        return None
+    sentence = masked[m.end():]
+    end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", sentence))
+    if end is not None and sentence[end.end():].strip(" \n\t*.!"):
+        return None  # a later sentence follows
+    numbers = list(_ANY_NUMBER.finditer(sentence))
+    if len(numbers) != 1:
+        return None
+    value = _prose_value(text[m.end() + numbers[0].start():m.end() + numbers[0].start() + 200])
+    return (m.start(), value) if value and _numeric(value) else None
+
+
 # ------------------------------------------------------------------------------------ refining
 
 def _starts_with_math(seg: str) -> bool:
@@ -525,7 +550,7 @@ def _extract(text: str) -> Extraction:
             return Extraction(ans, "answer")
 
     spans = [s for s in math_spans(text) if s[2].strip()]
-    stated = _statement(text)
+    stated = _statement(text) or _conclusion(text)
     if stated is not None and (not spans or (stated[0] > spans[-1][1] and _numeric(stated[1]))):
         return Extraction(stated[1], "is")  # the last sentence states it in words
     if spans:
