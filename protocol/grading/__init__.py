@@ -23,7 +23,7 @@ from typing import Iterable
 from protocol.grading.extract import RULES, extract, extract_answer, find_boxes
 from protocol.grading.normalize import MAX_ANSWER_CHARS
 
-__all__ = ["Grade", "grade", "grade_many", "extract", "extract_answer", "close_workers", "REASONS", "RULES"]
+__all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract", "extract_answer", "close_workers", "REASONS", "RULES"]
 
 REASONS = ("no_answer", "timeout", "unparsable")
 
@@ -107,6 +107,37 @@ def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
             status = next(s for s, _, _ in outcomes if s != "ok")
             out.append(Grade(e.answer, None, status, e.rule, e.others))
     return out
+
+
+@dataclass(frozen=True)
+class Opinion:
+    """A second grader's verdict on one output: `verdict` True/False, or None with `reason`
+    ("no_answer", "timeout", "unparsable")."""
+
+    verdict: bool | None
+    reason: str | None
+
+    def as_record(self) -> dict:
+        return {"verdict": self.verdict, "reason": self.reason}
+
+
+def second_opinions(pairs: Iterable[tuple[str, str]], judge: str, timeout: float = 5.0,
+                    workers: int = 2) -> list[Opinion]:
+    """Grade (pred_text, gold) pairs with another grader (`judge`: "math-verify") in the same
+    killable workers, under the same per-item `timeout`. The whole output goes to it: it
+    extracts its own answer."""
+    from protocol.grading import mathverify
+    from protocol.grading.worker import default_pool
+
+    if judge != mathverify.NAME:
+        raise ValueError(f"unknown grader {judge!r}; known: {mathverify.NAME}")
+    if mathverify.version() is None:
+        raise RuntimeError("math-verify is not installed (pip install 'retention[mathverify]')")
+    timeout = _check_timeout(timeout)
+    tasks = [(pred or "", _reference(gold)) for pred, gold in pairs]
+    results = default_pool(int(workers)).run(tasks, timeout, int(workers), judge=judge) if tasks else []
+    return [Opinion(verdict, None) if status == "ok" else Opinion(None, status)
+            for status, verdict, _ in results]
 
 
 def grade(pred_text: str, gold: str, timeout: float = 5.0) -> Grade:
