@@ -45,7 +45,7 @@ from sympy.core.relational import Relational
 from sympy.matrices import MatrixBase
 from sympy.matrices.expressions import MatrixExpr
 
-from protocol.grading.normalize import (MAX_ANSWER_CHARS, Chain, Dots, Interval, Leaf, Member, Node,
+from protocol.grading.normalize import (MAX_ANSWER_CHARS, Chain, Clock, Dots, Interval, Leaf, Member, Node,
                                         NormalizeError, Rel, Seq, Text, Union, canonical, compact,
                                         parse)
 from protocol.grading.normalize import _text_key
@@ -361,6 +361,8 @@ class _Comparator:
             return False
         if isinstance(a, Chain) or isinstance(b, Chain):
             return self._chain_equal(a, b)
+        if isinstance(a, Clock) or isinstance(b, Clock):
+            return isinstance(a, Clock) and isinstance(b, Clock) and _clock_equal(a, b)
         if isinstance(a, Member) and isinstance(b, Member):
             return self.equal(a.elem, b.elem) and self.equal(a.container, b.container)
         if isinstance(a, Member):
@@ -780,6 +782,19 @@ class _Comparator:
             except Exception:
                 continue
         return False
+
+
+def _clock_equal(a: Clock, b: Clock) -> bool:
+    """Same time of day. With a.m./p.m. on both sides the 24-hour times must match; a side
+    without one (``5:30``) is read on a 12-hour dial, so it matches ``5:30 p.m.`` and ``17:30``
+    but never ``6:30``; two bare times must match exactly (``5:30`` is not ``17:30``)."""
+    if a.minutes == b.minutes:
+        return True
+    if a.meridiem and b.meridiem:
+        return False
+    if a.meridiem or b.meridiem:
+        return a.minutes % 720 == b.minutes % 720
+    return False
 
 
 def _node_text(n: Node) -> str:

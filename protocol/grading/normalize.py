@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 __all__ = ["canonical", "compact", "parse", "MAX_ANSWER_CHARS", "Node", "Leaf", "Text", "Seq", "Interval", "Union",
-           "Chain", "Member", "Rel", "Dots", "NormalizeError"]
+           "Chain", "Member", "Rel", "Dots", "Clock", "NormalizeError"]
 
 
 #: Longest answer (after extraction) that is parsed at all; longer ones are only compared as text.
@@ -91,6 +91,14 @@ class Member(Node):
 class Rel(Node):
     """An inequality or ``\\neq`` (possibly chained), kept as LaTeX for sympy."""
     text: str
+
+
+@dataclass(frozen=True)
+class Clock(Node):
+    """A time of day ``5:30``, ``5:30 p.m.``: `minutes` after midnight (or after 0:00/12:00 when
+    `meridiem` is None and the hour is at most 12)."""
+    minutes: int
+    meridiem: str | None  # "am", "pm" or None
 
 
 @dataclass(frozen=True)
@@ -297,7 +305,8 @@ def _match_set_close(s: str) -> int:
 
 # ----------------------------------------------------------------------------------- leaf level
 
-_TEXT_ANY = re.compile(r"\\(?:text|mbox|textbf|textrm|textit|textsf|texttt|emph|operatorname)\s*"
+_TEXT_ANY = re.compile(r"\\(?:text|textnormal|textup|hbox|mbox|textbf|textrm|textit|textsf|texttt|emph|"
+                       r"operatorname)\s*"
                        r"\{([^{}]*)\}")
 _DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])|"
                       r"\bdegrees?\b|\bdeg\b")
@@ -348,7 +357,8 @@ def _strip_units(s: str) -> str:
         inner = m.group(1)
         return " " if re.fullmatch(r"[A-Za-z\s.'\-]*", inner) else inner
 
-    s2 = re.sub(r"(?:\\(?:text|mbox|textbf|textrm|textit|textsf|texttt|emph)\s*\{([^{}]*)\})"
+    s2 = re.sub(r"(?:\\(?:text|textnormal|textup|hbox|mbox|textbf|textrm|textit|textsf|texttt|emph)"
+                r"\s*\{([^{}]*)\})"
                 r"(?:\s*\^\s*\{?[23]\}?)?", repl, s)
     if s2.strip():
         s = s2
@@ -363,6 +373,38 @@ def _strip_units(s: str) -> str:
     return s.strip()
 
 
+_CLOCK = re.compile(r"(\d{1,2}):(\d{2})(?::\d{2})?\s*(?:([AaPp])\.?\s?[Mm]\.?)?")
+_MIXED = re.compile(r"(-?)(\d+)\s+(\d+)\s*/\s*(\d+)")
+
+
+def _clock(s: str) -> Clock | None:
+    """A time of day: ``H:MM`` with two-digit minutes below 60 (optionally ``:SS`` and
+    a.m./p.m., also inside ``\\text{}``). Times are their own kind of answer: ``5:30`` is neither
+    the ratio 1:6 nor the decimal 5.30, and two different times are never equal."""
+    m = _CLOCK.fullmatch(_unwrap_text(s).strip().rstrip("."))
+    if m is None:
+        return None
+    h, mins, mer = int(m.group(1)), int(m.group(2)), m.group(3)
+    if mins >= 60 or h > 24 or (mer and not 1 <= h <= 12):
+        return None
+    if mer:
+        mer = mer.lower() + "m"
+        h = h % 12 + (12 if mer == "pm" else 0)
+    return Clock(h * 60 + mins, mer)
+
+
+def _mixed_number(s: str) -> str:
+    """``2 1/2`` (a whole number, a space, a proper fraction) is the mixed number 5/2, as in
+    ``2\\frac12``: the only reading of that spelling in an answer."""
+    m = _MIXED.fullmatch(s)
+    if m is None:
+        return s
+    sign, whole, num, den = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+    if not 0 < num < den:
+        return s
+    return f"{sign}\\frac{{{whole * den + num}}}{{{den}}}"
+
+
 def _leaf(s: str) -> Leaf:
     percent = bool(_PERCENT.search(s))
     if percent:
@@ -374,6 +416,7 @@ def _leaf(s: str) -> Leaf:
     s = _BASE_SUBSCRIPT.sub(r"\1", s)
     s = _LEADING_DOT.sub(r"0.\1", s)
     s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
+    s = _mixed_number(s)
     if not s:
         raise NormalizeError("empty answer")
     return Leaf(s, percent, degrees)
@@ -436,6 +479,9 @@ def _parse_item(s: str) -> Node:
         raise NormalizeError("empty item")
     if s == "\\ldots":
         return Dots()
+    clock = _clock(s)
+    if clock is not None:
+        return clock
 
     parts = split_top(s, ("\\approx",))
     if len(parts) > 1:

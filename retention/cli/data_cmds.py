@@ -102,6 +102,23 @@ def summary_line(grades) -> str:
     return f"graded {n}: {correct} correct, {wrong} wrong, {n - correct - wrong} ungradable ({detail})"
 
 
+def _second_opinions(pairs, judge: str, timeout: float, workers: int):
+    from protocol.grading import second_opinions
+
+    return second_opinions(pairs, judge, timeout=timeout, workers=workers)
+
+
+def compare_line(grades, opinions) -> str:
+    """How the two graders' credit compares: agreement and the two kinds of disagreement."""
+    n = len(grades)
+    only_ours = sum(g.verdict is True and o.verdict is not True for g, o in zip(grades, opinions))
+    only_theirs = sum(g.verdict is not True and o.verdict is True for g, o in zip(grades, opinions))
+    ungradable = sum(o.verdict is None for o in opinions)
+    return (f"math-verify agrees on {n - only_ours - only_theirs}/{n}; disagreements "
+            f"{only_ours + only_theirs} (credited only by this grader {only_ours}, only by "
+            f"math-verify {only_theirs}); math-verify ungradable {ungradable}")
+
+
 @click.command("grade")
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -114,7 +131,14 @@ def summary_line(grades) -> str:
               show_default=True, help="Seconds allowed per answer before it is 'timeout'.")
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Grading processes run in parallel.")
-def grade(file: Path, out: Path | None, data: Path | None, timeout: float, workers: int) -> None:
+@click.option("--compare", type=click.Choice(["math-verify"]), default=None,
+              help="Also grade with math-verify (optional extra 'mathverify'), in the same killable "
+                   "workers and timeout; each record gets its verdict under 'math_verify'.")
+@click.option("--disagreements", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --compare: write every record on which the two graders disagree about "
+                   "credit here (JSONL, both verdicts; atomically).")
+def grade(file: Path, out: Path | None, data: Path | None, timeout: float, workers: int,
+          compare: str | None, disagreements: Path | None) -> None:
     """Grade the JSONL records of FILE: each needs 'pred' (or 'text') and 'gold' (or 'problem_id').
 
     Each record is written back with 'extracted', 'verdict', 'reason' and 'rule' added.
@@ -122,14 +146,33 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
     from protocol.grading import grade_many
     from protocol.io import dumps, write_atomic
 
+    if disagreements is not None and compare is None:
+        raise ProtocolError("--disagreements needs --compare")
+    if compare is not None:
+        from protocol.grading import mathverify
+
+        if mathverify.version() is None:
+            raise ProtocolError("math-verify is not installed: pip install 'retention[mathverify]'")
     records = _read_records(file)
     pairs = _pairs(file, records, data)
     grades = grade_many(pairs, timeout=timeout, workers=workers)
-    lines = []
-    for (_, rec), g in zip(records, grades):
+    opinions = _second_opinions(pairs, compare, timeout, workers) if compare else None
+    lines, differ = [], []
+    for k, ((n, rec), g) in enumerate(zip(records, grades)):
         rec.update(g.as_record())
+        if opinions is not None:
+            rec["math_verify"] = opinions[k].as_record()
+            if (g.verdict is True) != (opinions[k].verdict is True):
+                differ.append(dumps({"line": n, "pred": pairs[k][0], "gold": pairs[k][1],
+                                     "extracted": g.extracted, "verdict": g.verdict,
+                                     "reason": g.reason, "math_verify": rec["math_verify"]}) + "\n")
         lines.append(dumps(rec) + "\n")
     line = summary_line(grades)
+    if opinions is not None:
+        line += "; " + compare_line(grades, opinions)
+        if disagreements is not None:
+            write_atomic(disagreements, "".join(differ))
+            line += f" -> {disagreements}"
     if out is None:
         # Bytes, not text: a terminal's encoding must not fail on text the JSON escapes carry.
         sys.stdout.buffer.write("".join(lines).encode("utf-8"))
