@@ -29,5 +29,6 @@ def dtype_name(dtype: str | torch.dtype) -> str:
 
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:
-    """Bytes per element of a validated dtype."""
-    return torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    """Bytes per element of a run dtype by name, or of any torch dtype (float64 reference tests)."""
+    resolved = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
+    return torch.empty((), dtype=resolved).element_size()

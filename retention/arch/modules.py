@@ -40,10 +40,12 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float, offset: int = 0, tota
     """
     d = x.shape[-1]
     total = total or d
-    inv_freq = theta ** (-torch.arange(offset, offset + d, 2, dtype=torch.float64, device=x.device) / total)
+    # Angles in float32 (as transformers computes them) unless the model runs in float64.
+    precision = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (theta ** (torch.arange(offset, offset + d, 2, device=x.device).to(precision) / total))
     if pos.dim() == 2:
         pos = pos[:, None]
-    angle = pos[..., None].to(torch.float64) * inv_freq  # [B, 1|h, q, d/2]
+    angle = pos[..., None].to(precision) * inv_freq  # [B, 1|h, q, d/2]
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2)
