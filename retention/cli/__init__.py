@@ -18,7 +18,16 @@ from protocol.errors import ProtocolError
 from retention import __version__
 from retention.errors import RetentionError
 
-_MODULES = ("run_cmd", "calibrate_cmd", "data_cmds", "protocol_cmds", "bench_cmd", "conformance_cmd")
+# One command module per line (keeps additions from different branches apart).
+_MODULES = (
+    "run_cmd",
+    "calibrate_cmd",
+    "data_cmds",
+    "protocol_cmds",
+    "bench_cmd",
+    "conformance_cmd",
+    "audit_cmd",
+)
 
 
 class _Group(click.Group):
