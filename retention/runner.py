@@ -118,6 +118,9 @@ class RunDir:
 
     path: Path
     config: dict
+    # A shard of a run writes its own files (retention.shard): records.shard-I-of-N.jsonl, ...
+    records_name: str = "records.jsonl"
+    trace_name: str = "trace.jsonl"
     records: RecordStore = field(init=False)
 
     def __post_init__(self):
@@ -141,19 +144,22 @@ class RunDir:
             tmp = cfg_file.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
             tmp.replace(cfg_file)
-        self.records = RecordStore(self.path / "records.jsonl")
+        self.records = RecordStore(self.path / self.records_name)
 
     @property
     def hash(self) -> str:
         return config_hash(self.config)
 
     def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float]) -> None:
-        with open(self.path / "trace.jsonl", "a", encoding="utf-8") as f:
+        with open(self.path / self.trace_name, "a", encoding="utf-8") as f:
             f.write(json.dumps({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}) + "\n")
 
 
-def open_run(out: Path, config: dict) -> RunDir:
-    return RunDir(Path(out) / run_id_for(config), config)
+def open_run(out: Path, config: dict, shard=None) -> RunDir:
+    """The run directory of `config` under `out`; a `retention.shard.Shard` writes its own files."""
+    if shard is None:
+        return RunDir(Path(out) / run_id_for(config), config)
+    return RunDir(Path(out) / run_id_for(config), config, shard.records_name, shard.trace_name)
 
 
 @dataclass
@@ -167,11 +173,12 @@ class Arm:
 
 
 def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
-             fidelity: bool = False, grade: bool = True, progress: bool = True) -> None:
+             fidelity: bool = False, grade: bool = True, progress: bool = True, shard=None) -> None:
     """Generate every missing (problem, sample) record of every arm, interleaved.
 
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
-    `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`.
+    `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
+    `retention.shard.Shard` to generate only its pairs (None: all of them).
     """
     from tqdm import tqdm
 
@@ -187,8 +194,11 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token
-    todo = [(p, s, a) for p in problems for s in range(samples) for a in arms if not a.run.records.has(p.unique_id, s)]
-    total = len(problems) * samples * len(arms)
+    from retention.shard import shard_pairs
+
+    pairs = [(problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)]
+    todo = [(p, s, a) for p, s in pairs for a in arms if not a.run.records.has(p.unique_id, s)]
+    total = len(pairs) * len(arms)
     bar = tqdm(total=total, initial=total - len(todo), disable=not progress, unit="gen", dynamic_ncols=True)
     prompts: dict[str, list[int]] = {}
     for p, s, arm in todo:
