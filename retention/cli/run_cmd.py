@@ -105,9 +105,19 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
               help="Generate only shard I of N of the (problem, sample) pairs, into records.shard-I-of-N.jsonl; "
                    "auto: from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT or RANK/WORLD_SIZE. Merge with `retention merge`.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run --shards N shards as Ray tasks and merge them: alone, a private local cluster; "
+                   "with ADDRESS (auto, ray://head:10001) an existing cluster. Needs `pip install 'retention[ray]'`.")
+@click.option("--shards", type=int, default=None, help="With --ray: number of shards (e.g. one per GPU).")
+@click.option("--gpus-per-shard", type=float, default=None,
+              help="With --ray: GPUs per shard [default: 1 with --device cuda, else 0 (CPU workers)].")
+@click.option("--cpus-per-shard", type=float, default=1.0, show_default=True, help="With --ray: CPUs per shard.")
+@click.option("--retries", type=int, default=3, show_default=True,
+              help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
 def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, lam, radius, window, routing,
                 stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p, seed, ignore_eos,
-                fidelity, no_grade, dtype, device, out, quiet, shard_text):
+                fidelity, no_grade, dtype, device, out, quiet, shard_text, ray_address, shards, gpus_per_shard,
+                cpus_per_shard, retries):
     """Generate on the dev split under retention policies and write resumable run directories.
 
     Rerunning the same command resumes: finished records are skipped.
@@ -132,9 +142,17 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
             "limit": limit, "samples": samples, "seed": seed, "fidelity": fidelity, **sampling}
     # Validate every arm before loading a model or touching the output folder.
     arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
-    run_dirs = execute(model, dtype, device, arm_specs, split=split, data_path=data_path, limit=limit,
-                       samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-                       out=Path(out), progress=not quiet, shard=shard)
+    job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
+               limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
+               out=Path(out))
+    if ray_address is not None or shards is not None:
+        from retention.launch_ray import launch_from_cli
+
+        run_dirs = launch_from_cli(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
+                                   cpus_per_shard=cpus_per_shard, retries=retries, shard=shard, progress=not quiet)
+        shard = None  # merged
+    else:
+        run_dirs = execute(**job, progress=not quiet, shard=shard)
     for d in run_dirs:
         click.echo(_summary_line(d, shard))
 
