@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol import stats
+from protocol import shards, stats
 from protocol.errors import ProtocolError
 from protocol.io import load_json_object, read_jsonl, sha256_file
 from protocol.ledger import Registry, read_confirmation
@@ -102,8 +102,8 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
     """Read a run directory. Records without a `verdict` key are graded with
     `grade(text, gold)` (default: protocol.grading.grade); a null verdict stays null (= wrong)."""
     path = Path(path)
-    cfg_path, rec_path = path / "config.json", path / "records.jsonl"
-    if not cfg_path.is_file() or not rec_path.is_file():
+    cfg_path, rec_paths = path / "config.json", shards.record_files(path)  # records.jsonl, or shard files
+    if not cfg_path.is_file() or not rec_paths:
         raise ProtocolError(f"{path} is not a run directory (needs config.json and records.jsonl)")
     try:
         meta = load_json_object(cfg_path, "run configuration")
@@ -111,14 +111,18 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
         raise ProtocolError(f"unreadable run configuration: {exc}") from None
     if not isinstance(meta.get("config"), dict):
         raise ProtocolError(f"{cfg_path}: no 'config' object")
-    records, warnings = _read_jsonl(rec_path, "record")
+    records, warnings = [], [f"{path}: shard {s} has no records yet" for s in shards.missing_shards(path)]
+    for rec_path in rec_paths:
+        recs, w = _read_jsonl(rec_path, "record")
+        records += recs
+        warnings += w
     seen = set()
     for rec in records:
         if "problem_id" not in rec or "sample" not in rec:
-            raise ProtocolError(f"{rec_path}: a record lacks problem_id/sample")
+            raise ProtocolError(f"{path}: a record lacks problem_id/sample")
         key = (str(rec["problem_id"]), int(rec["sample"]))
         if key in seen:
-            raise ProtocolError(f"{rec_path}: duplicated record {key}")
+            raise ProtocolError(f"{path}: duplicated record {key}")
         seen.add(key)
     ungraded = [r for r in records if "verdict" not in r]
     if ungraded:
@@ -136,9 +140,12 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
     if (path / "confirm.json").is_file():
         confirm = load_json_object(path / "confirm.json", "confirmation sidecar")
     trace = None
-    if with_trace and (path / "trace.jsonl").is_file():
-        trace, w = _read_jsonl(path / "trace.jsonl", "trace")
-        warnings += w
+    if with_trace and shards.trace_files(path):
+        trace = []
+        for trace_path in shards.trace_files(path):
+            t, w = _read_jsonl(trace_path, "trace")
+            trace += t
+            warnings += w
     return Run(path=path, meta=meta, config=meta["config"], records=records, confirm=confirm,
                trace=trace, warnings=warnings)
 
@@ -150,7 +157,7 @@ def find_run_dirs(paths) -> list[Path]:
         if (p / "config.json").is_file():
             out.append(p)
         elif p.is_dir():
-            found = sorted(q.parent for q in p.rglob("config.json") if (q.parent / "records.jsonl").is_file())
+            found = sorted(q.parent for q in p.rglob("config.json") if shards.record_files(q.parent))
             if not found:
                 raise ProtocolError(f"{p}: no run directories (config.json + records.jsonl) below it")
             out += found

@@ -133,11 +133,16 @@ class RunDir:
 
     path: Path
     config: dict
+    # A shard of a run writes its own files (retention.shard): records.shard-I-of-N.jsonl, ...
+    records_name: str = "records.jsonl"
+    trace_name: str = "trace.jsonl"
     records: RecordStore = field(init=False)
 
     def __post_init__(self):
         ensure_dir(self.path, "run directory")
-        self._lock = _hold_lock(self.path)
+        # One writer per records file: shards of a run share the directory, not their files.
+        lock = ".lock" if self.records_name == "records.jsonl" else f".{self.records_name}.lock"
+        self._lock = _hold_lock(self.path, lock)
         cfg_file = self.path / "config.json"
         h = config_hash(self.config)
         if cfg_file.exists():
@@ -155,11 +160,11 @@ class RunDir:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             write_json(cfg_file, meta)
-        self.records = RecordStore(self.path / "records.jsonl", h)
+        self.records = RecordStore(self.path / self.records_name, h)
         self._repair_trace()
 
     def _repair_trace(self) -> None:
-        path = self.path / "trace.jsonl"
+        path = self.path / self.trace_name
         if not path.exists():
             return
         read = read_jsonl(path, "trace")
@@ -189,15 +194,15 @@ class RunDir:
         return ((p, s) for p in problems for s in range(samples) if not self.records.has(p.unique_id, s))
 
     def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float]) -> None:
-        append_line(self.path / "trace.jsonl",
+        append_line(self.path / self.trace_name,
                     jsonl_line({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}))
 
 
-def _hold_lock(run_dir: Path):
-    """An open file holding an exclusive flock on `<run dir>/.lock` (non-blocking)."""
+def _hold_lock(run_dir: Path, name: str = ".lock"):
+    """An open file holding an exclusive flock on `<run dir>/<name>` (non-blocking)."""
     import fcntl
 
-    fh = open(run_dir / ".lock", "a")
+    fh = open(run_dir / name, "a")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -213,16 +218,22 @@ def pending(arms: list["Arm"], problems, samples: int):
             if not a.run.records.has(p.unique_id, s))
 
 
-def count_pending(arms: list["Arm"], problems, samples: int) -> tuple[int, int]:
-    """(total, missing) generations; counted without materialising the pairs."""
-    total = len(problems) * samples * len(arms)
+def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tuple[int, int]:
+    """(total, missing) generations of all pairs or of one shard's; counted without materialising
+    the pairs (each arm's store holds only its own shard's records)."""
+    from retention.shard import shard_size
+
+    total = shard_size(len(problems) * samples, shard) * len(arms)
     ids = {p.unique_id for p in problems}
     done = sum(1 for a in arms for pid, s in a.run.records.done if pid in ids and s < samples)
     return total, total - done
 
 
-def open_run(out: Path, config: dict) -> RunDir:
-    return RunDir(Path(out) / run_id_for(config), config)
+def open_run(out: Path, config: dict, shard=None) -> RunDir:
+    """The run directory of `config` under `out`; a `retention.shard.Shard` writes its own files."""
+    if shard is None:
+        return RunDir(Path(out) / run_id_for(config), config)
+    return RunDir(Path(out) / run_id_for(config), config, shard.records_name, shard.trace_name)
 
 
 @dataclass
@@ -236,11 +247,12 @@ class Arm:
 
 
 def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
-             fidelity: bool = False, grade: bool = True, progress: bool = True) -> None:
+             fidelity: bool = False, grade: bool = True, progress: bool = True, shard=None) -> None:
     """Generate every missing (problem, sample) record of every arm, interleaved.
 
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
-    `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`.
+    `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
+    `retention.shard.Shard` to generate only its pairs (None: all of them).
     """
     from tqdm import tqdm
 
@@ -256,8 +268,12 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token
-    todo = pending(arms, problems, samples)
-    total, missing = count_pending(arms, problems, samples)
+    from retention.shard import shard_pairs
+
+    # Pairs are drawn lazily: nothing is allocated per sample.
+    todo = ((problems[i], s, a) for i, s in shard_pairs(len(problems), samples, shard) for a in arms
+            if not a.run.records.has(problems[i].unique_id, s))
+    total, missing = count_pending(arms, problems, samples, shard)
     bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="gen", dynamic_ncols=True)
     prompts: dict[str, list[int]] = {}
     for p, s, arm in todo:

@@ -27,6 +27,7 @@ _MODULES = (
     "bench_cmd",
     "conformance_cmd",
     "audit_cmd",
+    "merge_cmd",
 )
 
 

@@ -102,9 +102,22 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
+              help="Generate only shard I of N of the (problem, sample) pairs, into records.shard-I-of-N.jsonl; "
+                   "auto: from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT or RANK/WORLD_SIZE. Merge with `retention merge`.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS]",
+              help="Run --shards N shards as Ray tasks and merge them: alone, a private local cluster; "
+                   "with ADDRESS (auto, ray://head:10001) an existing cluster. Needs `pip install 'retention[ray]'`.")
+@click.option("--shards", type=int, default=None, help="With --ray: number of shards (e.g. one per GPU).")
+@click.option("--gpus-per-shard", type=float, default=None,
+              help="With --ray: GPUs per shard [default: 1 with --device cuda, else 0 (CPU workers)].")
+@click.option("--cpus-per-shard", type=float, default=1.0, show_default=True, help="With --ray: CPUs per shard.")
+@click.option("--retries", type=int, default=3, show_default=True,
+              help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
 def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, lam, radius, window, routing,
                 stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p, seed, ignore_eos,
-                fidelity, no_grade, dtype, device, out, quiet):
+                fidelity, no_grade, dtype, device, out, quiet, shard_text, ray_address, shards, gpus_per_shard,
+                cpus_per_shard, retries):
     """Generate on the dev split under retention policies and write resumable run directories.
 
     Rerunning the same command resumes: finished records are skipped.
@@ -116,6 +129,9 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
         raise RetentionError("--temperature must be >= 0 and --top-p in (0, 1]")
     if lam is not None and lam < 0:
         raise RetentionError(f"--lambda must be >= 0, got {lam}")
+    from retention.shard import parse_shard
+
+    shard = parse_shard(shard_text)
     names = _scorer_list(scorers)
     if baseline and baseline not in names:
         names.append(baseline)
@@ -126,19 +142,30 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
             "limit": limit, "samples": samples, "seed": seed, "fidelity": fidelity, **sampling}
     # Validate every arm before loading a model or touching the output folder.
     arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
-    run_dirs = execute(model, dtype, device, arm_specs, split=split, data_path=data_path, limit=limit,
-                       samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-                       out=Path(out), progress=not quiet)
+    job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
+               limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
+               out=Path(out))
+    if ray_address is not None or shards is not None:
+        from retention.launch_ray import launch_from_cli
+
+        run_dirs = launch_from_cli(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
+                                   cpus_per_shard=cpus_per_shard, retries=retries, shard=shard, progress=not quiet)
+        shard = None  # merged
+    else:
+        run_dirs = execute(**job, progress=not quiet, shard=shard)
     for d in run_dirs:
-        click.echo(_summary_line(d))
+        click.echo(_summary_line(d, shard))
 
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
-            out: Path, progress=True, problems=None, extra_config=None):
-    """Load the model and problems, open one run directory per arm, generate. Returns the run dirs."""
+            out: Path, progress=True, problems=None, extra_config=None, shard=None):
+    """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
+
+    shard: a `retention.shard.Shard` to generate only its pairs (None: all)."""
     from protocol.splits import load_split
+    from retention.merge import open_shard_run
     from retention.models import load_model
-    from retention.runner import Arm, open_run, run_arms
+    from retention.runner import Arm, run_arms
 
     if problems is None:
         problems = load_split(split, data_path=data_path)
@@ -148,20 +175,23 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     arms = []
     for name, config, params, cadence in arm_specs:
         config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
-        arms.append(Arm(open_run(out, config), name, params, cadence))
+        arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
-             grade=grade, progress=progress)
+             grade=grade, progress=progress, shard=shard)
     return [a.run.path for a in arms]
 
 
-def _summary_line(run_dir: Path) -> str:
-    recs = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+def _summary_line(run_dir: Path, shard=None) -> str:
+    records = run_dir / (shard.records_name if shard else "records.jsonl")
+    lines = records.read_text().splitlines() if records.is_file() else []
+    recs = [json.loads(line) for line in lines if line.strip()]
     n = len(recs)
     correct = sum(1 for r in recs if r.get("verdict") is True)
     mean_cache = sum(r["cache_mean_tokens"] for r in recs) / n if n else 0.0
     tps = sum(r["tokens_per_second"] for r in recs) / n if n else 0.0
     over = sum(1 for r in recs if r["budget_exceeded"])
-    return (f"{run_dir}: {n} records, accuracy {correct}/{n}, mean cache {mean_cache:.1f} tokens, "
+    where = f"{run_dir} (shard {shard})" if shard else f"{run_dir}"
+    return (f"{where}: {n} records, accuracy {correct}/{n}, mean cache {mean_cache:.1f} tokens, "
             f"{tps:.1f} tok/s, budget exceeded in {over}")
 
 
