@@ -55,6 +55,9 @@ class Cadence:
     accounting: str = "mean"
     sink: int = 0
     recent: int = 0
+    # The reference's prompt rule: prompt tokens are never evicted and never candidates; the budget
+    # applies to the generated tokens on top of the prompt (the meter still counts the prompt).
+    protect_prompt: bool = False
 
     def __post_init__(self):
         if self.accounting not in ACCOUNTING_MODES:
@@ -88,10 +91,17 @@ class Cadence:
             return None
         return nominal_budget(self.budget, self.interval, self.accounting)
 
-    def due(self, stored: int, prefill: bool) -> bool:
-        """Whether to compact now, given `stored` tokens per (layer, KV head) after a forward."""
+    def keep(self, prompt_length: int = 0) -> int:
+        """Tokens a compaction keeps: `b`, plus the whole prompt with `protect_prompt`."""
+        return self.nominal + (prompt_length if self.protect_prompt else 0)
+
+    def due(self, stored: int, prefill: bool, prompt_length: int = 0) -> bool:
+        """Whether to compact now, given `stored` tokens per (layer, KV head) after a forward (with
+        `protect_prompt` the prompt is never compacted at prefill and not counted against `b + N`)."""
         if self.budget is None:
             return False
+        if self.protect_prompt:
+            return not prefill and stored - prompt_length >= self.nominal + self.interval
         if prefill:
             return stored > self.nominal
         return stored >= self.nominal + self.interval

@@ -12,6 +12,7 @@ seed per (problem, sample), so an interrupted comparison stays paired.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import platform
 import re
 import subprocess
@@ -246,17 +247,72 @@ class Arm:
     cadence: "Cadence"  # noqa: F821 (imported lazily: keeps this module light)
 
 
-def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
-             fidelity: bool = False, grade: bool = True, progress: bool = True, shard=None) -> None:
-    """Generate every missing (problem, sample) record of every arm, interleaved.
+# Pairs per arm and chunk, in units of the batch size: arms alternate chunk by chunk, so an
+# interrupted comparison is at most one chunk apart, while each chunk keeps the batch full.
+CHUNK_BATCHES = 4
 
+
+def auto_batch_size(loaded, cadence, max_new_tokens: int, prompt_tokens: int = 512) -> int:
+    """A batch size for the device and the budget: on CUDA as many slots as fit in half the free
+    memory (cache of `b + N` per slot for an evicting policy, prompt + new tokens for `full`, both
+    caches with fidelity counted by the caller's choice), at most 256; on CPU 16 (bounded caches)
+    or 4 (`full`), where larger batches gain little on two cores."""
+    import torch
+
+    per_slot = cadence.nominal + cadence.interval if cadence.evicts else prompt_tokens + max_new_tokens
+    dev = torch.device(loaded.device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        fit = int(0.5 * free / (per_slot * loaded.geometry.kib_per_token * 1024))
+        return max(1, min(256, fit))
+    return 16 if cadence.evicts else 4
+
+
+def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, batch_size: int) -> dict:
+    text = tok.decode(g.token_ids, skip_special_tokens=True)
+    record = {
+        "config_hash": arm.run.hash,
+        "problem_id": p.unique_id,
+        "sample": s,
+        "seed": seed,
+        "prompt_tokens": len(prompt),
+        "output_token_ids": g.token_ids,
+        "output_tokens": len(g.token_ids),
+        "text": text,
+        "finish_reason": g.finish_reason,
+        **g.meter.summary(),
+        "budget": arm.cadence.budget,
+        "accounting": arm.cadence.accounting,
+        "wall_seconds": g.wall_seconds,
+        "tokens_per_second": len(g.token_ids) / g.wall_seconds if g.wall_seconds > 0 else 0.0,
+        "batch_size": batch_size,
+        "gold": getattr(p, "answer", None),
+    }
+    if g.fidelity is not None:
+        record["fidelity"] = g.fidelity.summary()
+    if grader is not None and record["gold"] is not None:
+        gr = grader(text, record["gold"])
+        record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
+    else:
+        record.update(extracted=None, verdict=None, reason=None, rule=None)
+    return record
+
+
+def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
+             fidelity: bool = False, grade: bool = True, progress: bool = True, batch_size: int = 1,
+             shard=None) -> None:
+    """Generate every missing (problem, sample) record of every arm, `batch_size` sequences at a time.
+
+    Each arm decodes the same pairs with the same seed per (problem, sample); arms alternate chunk by
+    chunk (`CHUNK_BATCHES * batch_size` pairs). Each record is written as soon as its sequence ends,
+    so a killed run loses only the sequences in flight.
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
     `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
     `retention.shard.Shard` to generate only its pairs (None: all of them).
     """
     from tqdm import tqdm
 
-    from retention.generate import SamplingConfig, generate
+    from retention.engine import Request, SamplingConfig, run_engine
     from retention.models import format_prompt
     from retention.policy import RetentionPolicy
     from retention.scorers import make_scorer
@@ -270,55 +326,40 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     kib = loaded.geometry.kib_per_token
     from retention.shard import shard_pairs
 
-    # Pairs are drawn lazily: nothing is allocated per sample.
-    todo = ((problems[i], s, a) for i, s in shard_pairs(len(problems), samples, shard) for a in arms
-            if not a.run.records.has(problems[i].unique_id, s))
+    # Pairs are drawn lazily, one chunk at a time: nothing is allocated per sample.
+    pairs = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard))
     total, missing = count_pending(arms, problems, samples, shard)
-    bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="gen", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="seq", dynamic_ncols=True)
     prompts: dict[str, list[int]] = {}
-    for p, s, arm in todo:
-        prompt = prompts.setdefault(p.unique_id, format_prompt(tok, p.problem))
-        seed = derive_seed(base_seed, p.unique_id, s)
-        policy = RetentionPolicy(make_scorer(arm.scorer, seed=seed, **arm.scorer_params), arm.cadence)
-        cfg = SamplingConfig(seed=seed, **sampling)
-        t_start = time.perf_counter()
+    cfg = SamplingConfig(**sampling)
+    chunk = max(1, CHUNK_BATCHES * batch_size)
+    while block := list(itertools.islice(pairs, chunk)):
+        for arm in arms:
+            todo = [(p, s) for p, s in block if not arm.run.records.has(p.unique_id, s)]
+            if not todo:
+                continue
+            reqs = []
+            for p, s in todo:
+                prompt = prompts.setdefault(p.unique_id, format_prompt(tok, p.problem))
+                reqs.append(Request((p, s), prompt, derive_seed(base_seed, p.unique_id, s)))
+            policy = RetentionPolicy(make_scorer(arm.scorer, **arm.scorer_params), arm.cadence)
 
-        def on_token(n, meter, _t=t_start, _arm=arm):
-            if n % 16 == 0:
-                bar.set_postfix_str(
-                    f"{_arm.scorer} {n / (time.perf_counter() - _t):.1f} tok/s mean cache {meter.mean:.1f}", refresh=False)
-                bar.refresh()
+            def on_finish(req, g, _arm=arm):
+                p, s = req.key
+                record = _record(_arm, p, s, req.seed, req.prompt_ids, g, tok, grader, batch_size)
+                steps, tokens = g.meter.trace()
+                _arm.run.append_trace(p.unique_id, s, steps, tokens)
+                _arm.run.records.append(record)
+                bar.update(1)
 
-        g = generate(loaded.model, prompt, policy, cfg, eos, kib, fidelity=fidelity, on_token=on_token if progress else None)
-        text = tok.decode(g.token_ids, skip_special_tokens=True)
-        record = {
-            "config_hash": arm.run.hash,
-            "problem_id": p.unique_id,
-            "sample": s,
-            "seed": seed,
-            "prompt_tokens": len(prompt),
-            "output_token_ids": g.token_ids,
-            "output_tokens": len(g.token_ids),
-            "text": text,
-            "finish_reason": g.finish_reason,
-            **g.meter.summary(),
-            "budget": arm.cadence.budget,
-            "accounting": arm.cadence.accounting,
-            "wall_seconds": g.wall_seconds,
-            "tokens_per_second": len(g.token_ids) / g.wall_seconds if g.wall_seconds > 0 else 0.0,
-            "gold": getattr(p, "answer", None),
-        }
-        if g.fidelity is not None:
-            record["fidelity"] = g.fidelity.summary()
-        if grader is not None and record["gold"] is not None:
-            gr = grader(text, record["gold"])
-            record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
-        else:
-            record.update(extracted=None, verdict=None, reason=None, rule=None)
-        steps, tokens = g.meter.trace()
-        arm.run.append_trace(p.unique_id, s, steps, tokens)
-        arm.run.records.append(record)
-        bar.update(1)
+            def on_step(st, _arm=arm):
+                if st.steps % 8 == 0:
+                    bar.set_postfix_str(f"{_arm.scorer} {st.tokens_per_second:.1f} tok/s, {st.busy} slots busy",
+                                        refresh=False)
+                    bar.refresh()
+
+            run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,
+                       on_finish=on_finish, on_step=on_step if progress else None)
     bar.close()
 
 

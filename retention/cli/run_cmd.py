@@ -42,7 +42,8 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
         params["stats"], extra["stats_sha256"] = _resolve_stats(params["stats"], base["model"])
     if cls.evicts and base["budget"] is None:
         raise RetentionError(f"--budget is required for scorer {scorer!r}")
-    cadence = cadence_for(scorer_obj, base["budget"], base["interval"], base["accounting"], base["sink"], base["recent"])
+    cadence = cadence_for(scorer_obj, base["budget"], base["interval"], base["accounting"], base["sink"], base["recent"],
+                          protect_prompt=bool(base.get("protect_prompt")))
     budget, interval, sink, recent = cadence.budget, cadence.interval, cadence.sink, cadence.recent
     config = dict(base, scorer=scorer, scorer_params=params, budget=budget, interval=interval,
                   sink=sink, recent=recent, nominal_b=cadence.nominal, **extra)
@@ -78,6 +79,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
               help="mean: B is the measured mean cache; peak: never above B; prefill: B right after compaction.")
 @click.option("--sink", type=int, default=None, help="Protected first tokens (default: the scorer's, 4 for streaming).")
 @click.option("--recent", type=int, default=None, help="Protected most recent tokens (default: the scorer's).")
+@click.option("--protect-prompt", is_flag=True,
+              help="The reference rule: prompt tokens are never evicted nor candidates; b + N applies to the "
+                   "generated tokens (the meter still counts the prompt).")
 @click.option("--lambda", "lam", type=float, default=None, help="alpha/rkv: redundancy weight lambda (defaults: alpha 0.5, rkv 0.1); applies to every listed scorer that takes it.")
 @click.option("--radius", type=float, default=None, help="alpha: cosine radius under which no penalty applies (default 0).")
 @click.option("--window", type=int, default=None, help="snapkv/rkv/h2o: recent query/window size (default 8).")
@@ -101,6 +105,8 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
+@click.option("--batch-size", type=int, default=None, callback=_positive("--batch-size"),
+              help="Sequences decoded together (continuous batching). Default: chosen for the device and budget, printed.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
               help="Generate only shard I of N of the (problem, sample) pairs, into records.shard-I-of-N.jsonl; "
@@ -114,10 +120,10 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--cpus-per-shard", type=float, default=1.0, show_default=True, help="With --ray: CPUs per shard.")
 @click.option("--retries", type=int, default=3, show_default=True,
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
-def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, lam, radius, window, routing,
-                stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p, seed, ignore_eos,
-                fidelity, no_grade, dtype, device, out, quiet, shard_text, ray_address, shards, gpus_per_shard,
-                cpus_per_shard, retries):
+def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, protect_prompt, lam, radius,
+                window, routing, stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p,
+                seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
+                shards, gpus_per_shard, cpus_per_shard, retries):
     """Generate on the dev split under retention policies and write resumable run directories.
 
     Rerunning the same command resumes: finished records are skipped.
@@ -138,13 +144,14 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
     options = {"lam": lam, "radius": radius, "window": window, "routing": routing, "stats": stats_path}
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
-            "accounting": accounting, "sink": sink, "recent": recent, "split": split, "data": data_path,
-            "limit": limit, "samples": samples, "seed": seed, "fidelity": fidelity, **sampling}
+            "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
+            "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
+            "fidelity": fidelity, **sampling}
     # Validate every arm before loading a model or touching the output folder.
     arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-               out=Path(out))
+               out=Path(out), batch_size=batch_size)
     if ray_address is not None or shards is not None:
         from retention.launch_ray import launch_from_cli
 
@@ -158,14 +165,17 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
 
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
-            out: Path, progress=True, problems=None, extra_config=None, shard=None):
+            out: Path, progress=True, problems=None, extra_config=None, shard=None, batch_size=None):
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
-    shard: a `retention.shard.Shard` to generate only its pairs (None: all)."""
+    shard: a `retention.shard.Shard` to generate only its pairs (None: all).
+    batch_size: sequences decoded together; None chooses one for the device and budget (printed).
+    It is not part of the configuration hash: records do not depend on it (batch invariance), so a
+    run resumes at any batch size; each record notes the batch size it was decoded in."""
     from protocol.splits import load_split
     from retention.merge import open_shard_run
     from retention.models import load_model
-    from retention.runner import Arm, run_arms
+    from retention.runner import Arm, auto_batch_size, run_arms
 
     if problems is None:
         problems = load_split(split, data_path=data_path)
@@ -176,8 +186,11 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     for name, config, params, cadence in arm_specs:
         config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
+    if batch_size is None:
+        batch_size = min(auto_batch_size(loaded, a.cadence, sampling["max_new_tokens"]) for a in arms)
+        click.echo(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", err=True)
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
-             grade=grade, progress=progress, shard=shard)
+             grade=grade, progress=progress, shard=shard, batch_size=batch_size)
     return [a.run.path for a in arms]
 
 
@@ -198,8 +211,8 @@ def _summary_line(run_dir: Path, shard=None) -> str:
 # Keys a pre-registered arm configuration may set (the rest come from the plan: model, budget,
 # samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
 # so that `confirm` can compare what was planned with what ran, key by key.
-_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "interval", "accounting", "sink", "recent", "temperature", "top_p",
-             "dtype", "device", "data", "limit", "fidelity", "ignore_eos"}
+_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "interval", "accounting", "sink", "recent", "protect_prompt",
+             "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos"}
 
 
 def validate_arm_config(name: str, cfg: dict) -> None:
@@ -241,7 +254,8 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path) -> Pat
                 "top_p": float(cfg.get("top_p", 0.95)), "ignore_eos": bool(cfg.get("ignore_eos", False))}
     base = {"model": cfg["model"], "dtype": cfg.get("dtype", "float32"), "device": cfg.get("device", "cpu"),
             "budget": cfg.get("budget"), "interval": cfg.get("interval"), "accounting": cfg.get("accounting", "mean"),
-            "sink": cfg.get("sink"), "recent": cfg.get("recent"), "split": "confirm", "data": cfg.get("data"),
+            "sink": cfg.get("sink"), "recent": cfg.get("recent"), "protect_prompt": bool(cfg.get("protect_prompt", False)),
+            "split": "confirm", "data": cfg.get("data"),
             "limit": cfg.get("limit"), "samples": int(cfg["samples"]), "seed": int(cfg["seed"]),
             "fidelity": bool(cfg.get("fidelity", False)), **sampling}
     spec = (cfg["scorer"], *build_arm_config(base, cfg["scorer"], params))

@@ -24,8 +24,7 @@ the kept indices, sorted ascending, are bit-for-bit those of the top-k baseline.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +90,11 @@ class Alpha(TriAttention):
 
     lam: float = 0.5
     radius: float = 0.0
-    # Unit V-signatures aligned with the stored slots: [B, G, n, d] (shared) or [L, B, G, n, d].
-    _sig: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    # Per-token state in the cache (`RetentionCache.add_extra`): `[S, G, cap, d]` float32 unit
+    # signatures, in layer 0 (shared routing) or in every layer (per-layer routing). The cache
+    # gathers it with the keys at every compaction, row move and slot refill.
+    EXTRA = "alpha_sig"
 
     def __post_init__(self):
         super().__post_init__()
@@ -101,38 +103,26 @@ class Alpha(TriAttention):
         if self.radius != self.radius:
             raise RetentionError("--radius must be a number")
 
-    @contextlib.contextmanager
-    def _attached(self, model):
-        self._sig = None  # a new generation: no tokens yet
-        with super()._attached(model):
-            yield self
-
-    def add_tokens(self, values) -> None:
-        """Append the signatures of the newest tokens: `values` is `L` tensors `[B, G, q, d]`."""
-        u = token_signatures(values)  # [B, q, d]
-        B, G = values[0].shape[:2]
-        u = u[:, None].expand(B, G, *u.shape[1:])
-        if self.per_layer:
-            u = u[None].expand(len(values), *u.shape)
-        self._sig = u.clone() if self._sig is None else torch.cat([self._sig, u], dim=-2)
-
-    def observe(self, cache, next_position: int) -> None:
-        """Record the signatures of the tokens this forward wrote (the last slots of every layer)."""
-        have = 0 if self._sig is None else self._sig.shape[-2]
-        new = cache.layers[0].keys.shape[2] - have
-        if new > 0:
-            self.add_tokens([layer.values[:, :, -new:] for layer in cache.layers])
-
-    def compacted(self, keep: torch.Tensor) -> None:
-        """Carry the signatures with their tokens: gather the kept slots (`[B, G, k]` / `[L, B, G, k]`)."""
-        self._sig = torch.gather(self._sig, -2, keep[..., None].expand(*keep.shape, self._sig.shape[-1]))
+    def observe(self, cache, next_position) -> None:
+        """Write the signature of every token the last forward wrote (all layers and KV heads hold
+        it now) into the per-token buffer, at that token's slot in every KV head."""
+        super().observe(cache, next_position)
+        idx = cache.written_slots()  # [S, q]
+        S, q = idx.shape
+        G, d = cache.layers[0].vbuf.shape[1], cache.layers[0].vbuf.shape[-1]
+        gidx = idx[:, None, :, None].expand(S, G, q, d)
+        u = token_signatures([layer.vbuf.gather(2, gidx) for layer in cache.layers])  # [S, q, d]
+        u = u[:, None].expand(S, G, q, d)
+        for layer in range(len(cache.layers)) if self.per_layer else (0,):
+            cache.add_extra(layer, self.EXTRA, (d,)).scatter_(2, gidx, u)
 
     def signatures(self, view: CacheView) -> torch.Tensor:
-        """The stored slots' signatures, checked against the view's length."""
-        n = view.keys[0].shape[2]
-        if self._sig is None or self._sig.shape[-2] != n:
-            raise RuntimeError("alpha: V-signatures out of step with the cache (observe() not called after a forward?)")
-        return self._sig
+        """The view's signatures: `[B, G, n, d]` (shared) or `[L, B, G, n, d]` (per layer)."""
+        if not view.extra or self.EXTRA not in view.extra[0]:
+            raise RuntimeError("alpha: no V-signatures in the cache (observe() not called after a forward?)")
+        if self.per_layer:
+            return torch.stack([x[self.EXTRA] for x in view.extra])
+        return view.extra[0][self.EXTRA]
 
     def select(self, scores: torch.Tensor, view: CacheView, k: int) -> torch.Tensor:
         """Kept indices `[B, G, k]` (shared) or `[L, B, G, k]` (per layer), sorted ascending."""

@@ -19,7 +19,7 @@ instead (protected through `min_recent`, like the other window scorers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -83,10 +83,14 @@ def heavy_recent_keep(mass: torch.Tensor, valid: torch.Tensor, protected: torch.
 @dataclass
 class H2O(WindowScorer):
     """Heavy hitters + recent tokens. Parameter: `window` (recent tokens; default None: half the
-    kept budget, the reference's split)."""
+    kept budget, the reference's split).
 
+    The accumulator is per-token state stored in the cache itself (`RetentionCache.add_extra`,
+    `[S, G, cap]` float32 per layer), so it follows every compaction, row move and slot refill
+    exactly like the keys, and a new token's entry starts at zero."""
+
+    EXTRA = "h2o_mass"
     window: int | None = None
-    _acc: list = field(default_factory=list, init=False, repr=False)  # L x [B, G, n] float32
 
     def __post_init__(self):
         if self.window is not None:
@@ -97,43 +101,30 @@ class H2O(WindowScorer):
         `select`, where the budget is known."""
         return self.window or 0
 
-    def reset(self) -> None:
-        self._acc = []
-
-    def accumulate(self, layer: int, query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-                   scaling: float) -> None:
-        """Add the mass from `query` `[B, Hq, q, d]` (the newest `q` stored tokens' queries) to the
-        accumulator of `layer`, first extending it with zeros for the tokens stored since last time."""
-        while len(self._acc) <= layer:
-            self._acc.append(None)
-        B, G, n = positions.shape
-        acc = self._acc[layer]
-        if acc is None:
-            acc = torch.zeros(B, G, 0, dtype=torch.float32, device=keys.device)
-        if acc.shape[-1] < n:
-            acc = torch.cat([acc, acc.new_zeros(B, G, n - acc.shape[-1])], dim=-1)
-        # The new tokens are the last q stored; every KV head holds them, at the same positions.
-        query_pos = positions[:, 0, n - query.shape[2]:]
-        self._acc[layer] = acc + attention_mass(query, keys, positions, query_pos, scaling)
-
-    def observe(self, cache, next_position: int) -> None:
+    def observe(self, cache, next_position: list[int]) -> None:
+        valid = cache.valid_mask()  # [R, w]
         for i, call in enumerate(self._recorder.take(cache)):
             layer = cache.layers[i]
-            self.accumulate(i, call.query, layer.keys, layer.positions, call.scaling)
-
-    def compacted(self, keep: torch.Tensor) -> None:
-        """Keep the accumulator aligned with the cache: gather the kept slots (`[L, B, G, k]`)."""
-        for i, acc in enumerate(self._acc):
-            self._acc[i] = torch.gather(acc, -1, keep[i] if keep.dim() == 4 else keep)
+            acc = cache.add_extra(i, self.EXTRA)
+            w = layer.keys.shape[2]
+            q = call.query.shape[2]
+            # The new tokens are the last q stored of each row; every KV head holds them.
+            ends = torch.tensor(cache.lengths, device=layer.positions.device)
+            idx = (ends[:, None] - q + torch.arange(q, device=ends.device)[None]).clamp(min=0)
+            query_pos = torch.gather(layer.positions[:, 0], 1, idx)
+            key_valid = valid[:, None, :].expand_as(layer.positions)
+            acc[:, :, :w] += attention_mass(call.query, layer.keys, layer.positions, query_pos, call.scaling,
+                                            key_valid)
 
     def score(self, view: CacheView) -> torch.Tensor:
-        """`[L, B, G, n]`: the accumulated attention mass (the recent part is forced in by `select`)."""
-        if len(self._acc) != view.num_layers:
+        """`[L, B, G, n]`: the accumulated attention mass, -inf on padding (the recent part is forced
+        in by `select`)."""
+        if not view.extra or self.EXTRA not in view.extra[0]:
             raise RuntimeError("h2o: no accumulated attention (scorer used outside attach(), or observe() not called)")
-        return torch.stack(self._acc)
+        return torch.stack([view.extra[l][self.EXTRA].masked_fill(~view.valid[l], float("-inf"))
+                            for l in range(view.num_layers)])
 
     def select(self, scores: torch.Tensor, view: CacheView, k: int) -> torch.Tensor:
         """`[L, B, G, k]`: the recent part (`window`, or `k - k // 2`) plus the heaviest of the rest."""
         heavy, recent = split_budget(k) if self.window is None else (k - self.window, self.window)
-        protected = torch.stack(view.protected)
-        return heavy_recent_keep(scores, torch.ones_like(protected), protected, heavy, recent)
+        return heavy_recent_keep(scores, torch.stack(view.valid), torch.stack(view.protected), heavy, recent)

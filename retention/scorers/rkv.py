@@ -81,11 +81,12 @@ class RKV(SnapKV):
             raise RetentionError(f"--lambda for rkv must lie in [0, 1], got {self.lam}")
 
     def score(self, view: CacheView) -> torch.Tensor:
-        """`[L, B, G, n]`: `lam * I - (1 - lam) * R`, +inf on the window tokens."""
+        """`[L, B, G, n]`: `lam * I - (1 - lam) * R`, +inf on the window tokens, -inf on padding."""
         out = []
         for l in range(view.num_layers):
             win = self.window_mask(view, l)
-            valid = torch.ones_like(win)  # a single-sequence view has no padding
+            valid = view.valid[l]
             red = key_redundancy(view.keys[l], valid, self.threshold)
-            out.append(rkv_scores(self.importance(view, l), red, ~win & valid, self.lam).masked_fill(win, float("inf")))
+            out.append(rkv_scores(self.importance(view, l), red, ~win & valid, self.lam)
+                       .masked_fill(win & valid, float("inf")))
         return torch.stack(out)

@@ -78,7 +78,10 @@ class SnapKV(WindowScorer):
     `kernel` (max-pool width, odd, default 7)."""
 
     kernel: int = 7
-    _queries: list = field(default_factory=list, init=False, repr=False)  # L x [B, Hq, <=w, d]
+    # Per layer: the last `w` recorded queries of every slot, `[slots, Hq, w, d]` (a rolling window,
+    # newest last), and how many of them are real so far per slot (a prompt may be shorter than `w`).
+    _queries: list = field(default_factory=list, init=False, repr=False)
+    _count: dict = field(default_factory=dict, init=False, repr=False)  # slot -> recorded queries (<= w)
     _scaling: float = field(default=1.0, init=False, repr=False)
 
     def __post_init__(self):
@@ -87,31 +90,53 @@ class SnapKV(WindowScorer):
             raise RetentionError(f"the pooling kernel must be a positive odd number, got {self.kernel}")
 
     def reset(self) -> None:
-        self._queries = []
+        self._queries, self._count = [], {}
 
-    def observe(self, cache, next_position: int) -> None:
-        """Append this forward's queries of every layer to the rolling window of the last `w`."""
+    def reset_slot(self, slot: int, seed: int) -> None:
+        self._count[slot] = 0
+
+    def observe(self, cache, next_position: list[int]) -> None:
+        """Roll this forward's queries of every row into its slot's window of the last `w`."""
         calls = self._recorder.take(cache)
-        if not self._queries:
-            self._queries = [None] * len(calls)
+        q_new = calls[0].query.shape[2]
+        row_slots = getattr(cache, "slots", None) or list(range(calls[0].query.shape[0]))
+        slots = torch.tensor(row_slots, device=calls[0].query.device)
+        need = max(row_slots) + 1
         for i, call in enumerate(calls):
-            q = call.query[:, :, -self.window:]
-            old = self._queries[i]
-            self._queries[i] = (q if old is None else torch.cat([old, q], dim=2)[:, :, -self.window:]).clone()
+            q = call.query
+            R, Hq, _, d = q.shape
+            if len(self._queries) <= i:
+                self._queries.append(q.new_zeros(need, Hq, self.window, d))
+            buf = self._queries[i]
+            if buf.shape[0] < need:
+                buf = self._queries[i] = torch.cat([buf, buf.new_zeros(need - buf.shape[0], *buf.shape[1:])])
+            if q_new >= self.window:
+                buf[slots] = q[:, :, -self.window:]
+            else:
+                buf[slots] = torch.cat([buf[slots][:, :, q_new:], q], dim=2)
+        for s in row_slots:
+            self._count[s] = min(self.window, self._count.get(s, 0) + q_new)
         self._scaling = calls[0].scaling
 
     def window_mask(self, view: CacheView, layer: int) -> torch.Tensor:
-        """`[B, G, n]` bool: the `w` newest positions (the window's own tokens)."""
-        return view.positions[layer] >= view.next_position - self.window
+        """`[B, G, n]` bool: the `w` newest positions of each row (the window's own tokens)."""
+        return view.positions[layer] >= view.next_position[:, None, None] - self.window
+
+    def window_queries(self, view: CacheView, layer: int) -> torch.Tensor:
+        """`[B, Hq, w', d]`: the recorded window of each row's slot (`w' <= w` only for a sequence
+        shorter than the window so far)."""
+        if not self._queries:
+            raise RuntimeError("snapkv: no recorded queries (scorer used outside attach(), or observe() not called)")
+        slots = view.slots.tolist()
+        w = min(self._count.get(s, self.window) for s in slots)
+        return self._queries[layer][view.slots.to(self._queries[layer].device)][:, :, self.window - w:]
 
     def importance(self, view: CacheView, layer: int) -> torch.Tensor:
-        """`[B, G, n]` SnapKV importance of one layer, window tokens 0 (before pooling)."""
-        if not self._queries or self._queries[layer] is None:
-            raise RuntimeError("snapkv: no recorded queries (scorer used outside attach(), or observe() not called)")
-        cand = ~self.window_mask(view, layer)
-        return window_importance(self._queries[layer], view.keys[layer], cand, self._scaling, self.kernel)
+        """`[B, G, n]` SnapKV importance of one layer, window tokens and padding 0 (before pooling)."""
+        cand = ~self.window_mask(view, layer) & view.valid[layer]
+        return window_importance(self.window_queries(view, layer), view.keys[layer], cand, self._scaling, self.kernel)
 
     def score(self, view: CacheView) -> torch.Tensor:
-        """`[L, B, G, n]`: pooled importance, +inf on the window tokens."""
+        """`[L, B, G, n]`: pooled importance, +inf on the window tokens, -inf on padding."""
         return torch.stack([self.importance(view, l).masked_fill(self.window_mask(view, l), float("inf"))
-                            for l in range(view.num_layers)])
+                            .masked_fill(~view.valid[l], float("-inf")) for l in range(view.num_layers)])

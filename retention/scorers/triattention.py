@@ -172,11 +172,25 @@ class TriAttention(Scorer):
             raise RuntimeError("triattention scorer used outside attach() (no statistics bound)")
         G = view.keys[0].shape[1]
         dev = view.keys[0].device
-        trig, norm = query_weights(self._stats.qm, self._stats.qa, self._inv_freq, view.next_position, G)
-        trig, norm = trig.to(dev), norm.to(dev)
+        t = view.uniform_next_position
+        if t is not None:  # every row queries at the same position: one set of weights
+            trig, norm = query_weights(self._stats.qm, self._stats.qa, self._inv_freq, t, G)
+            trig, norm = trig.to(dev), norm.to(dev)
+        else:  # rows of a batch at different positions: weights per row, `[L, B, G, r, *]`
+            ws = {t: query_weights(self._stats.qm, self._stats.qa, self._inv_freq, t, G)
+                  for t in set(view.next_position.tolist())}
+            rows = [ws[t] for t in view.next_position.tolist()]
+            trig = torch.stack([w[0] for w in rows], dim=1).to(dev)
+            norm = torch.stack([w[1] for w in rows], dim=1).to(dev)
         for l in range(view.num_layers):
-            raw = head_scores(view.keys[l], trig[l], norm[l])
-            yield zscore_group_max(raw, ~view.protected[l])
+            if t is not None:
+                raw = head_scores(view.keys[l], trig[l], norm[l])
+            else:
+                k = view.keys[l].float()
+                kmod = torch.hypot(k[..., :k.shape[-1] // 2], k[..., k.shape[-1] // 2:])
+                raw = torch.einsum("bgnd,bgrd->bgrn", k, trig[l]) + torch.einsum("bgnf,bgrf->bgrn", kmod, norm[l])
+            valid = view.valid[l]
+            yield zscore_group_max(raw, ~view.protected[l] & valid).masked_fill(~valid, float("-inf"))
 
     def score(self, view: CacheView) -> torch.Tensor:
         """`[B, G, n]` (shared routing: mean over layers) or `[L, B, G, n]` (per-layer routing)."""

@@ -32,40 +32,51 @@ def test_token_signature_is_the_mean_over_all_layers_and_heads():
             torch.testing.assert_close(u[b, j].double(), ref_token_signature(values, b, j), rtol=1e-5, atol=1e-6)
 
 
+def _signatures(cache, sc):
+    """`[L', S, G, w, d]` signatures the cache holds for alpha (L' = 1 with shared routing)."""
+    layers = cache.layers if sc.per_layer else cache.layers[:1]
+    w = cache.layers[0].keys.shape[2]
+    return torch.stack([ly.extra[sc.EXTRA][:, :, :w] for ly in layers])
+
+
 @pytest.mark.parametrize("routing", ["shared", "per-layer"])
 def test_signature_follows_its_token_through_any_compactions(routing):
-    """Write tokens in bursts, evict random (different per head, per layer) sets in between: every
-    stored slot's signature stays the one its token got when it was written, bit for bit."""
+    """Write tokens in bursts into a real retention cache, evict random (different per head, per
+    layer) sets in between: every stored slot's signature stays the one its token got when it was
+    written, bit for bit."""
+    from retention.cache import RetentionCache
+
     gen = torch.Generator().manual_seed(9)
     sc = make_scorer("alpha", routing=routing)
-    per_layer = sc.per_layer
+    cache = RetentionCache(L)
     written = {}  # (b, position) -> signature at write time
-    positions = torch.empty(L if per_layer else 1, B, G, 0, dtype=torch.long)
     nxt = 0
     for burst in (7, 1, 3, 1, 1, 5, 1):
         values = [torch.randn(B, G, burst, D, generator=gen) for _ in range(L)]
-        sc.add_tokens(values)
+        cache.set_step_positions(torch.arange(nxt, nxt + burst).expand(B, -1))
+        for layer, v in enumerate(values):
+            cache.update(torch.randn(B, G, burst, D, generator=gen), v, layer)
+        sc.observe(cache, nxt + burst)
         u = token_signatures(values)
         for b in range(B):
             for j in range(burst):
                 written[(b, nxt + j)] = u[b, j].clone()
-        new = torch.arange(nxt, nxt + burst).expand(*positions.shape[:3], -1)
-        positions = torch.cat([positions, new], dim=-1)
         nxt += burst
-        n = positions.shape[-1]
+        n = cache.lengths[0]
         if n > 4:  # evict to a random 4..n-1 slots, independently per (layer,) batch row and head
             k = int(torch.randint(4, n, (1,), generator=gen))
-            keep = torch.rand(*positions.shape, generator=gen).argsort(-1)[..., :k].sort(-1).values
-            positions = torch.gather(positions, -1, keep)
-            sc.compacted(keep if per_layer else keep[0])
-        sig = sc._sig if per_layer else sc._sig[None]
-        assert sig.shape[:-1] == positions.shape
-        for l in range(positions.shape[0]):
+            shape = (L, B, G, n) if sc.per_layer else (B, G, n)
+            cache.compact(torch.rand(*shape, generator=gen).argsort(-1)[..., :k].sort(-1).values)
+        sig = _signatures(cache, sc)
+        for l in range(sig.shape[0]):
+            positions = cache.layers[l].positions
+            assert sig.shape[1:-1] == positions.shape
             for b in range(B):
                 for g in range(G):
-                    for j, p in enumerate(positions[l, b, g].tolist()):
+                    for j, p in enumerate(positions[b, g].tolist()):
                         assert torch.equal(sig[l, b, g, j], written[(b, p)])
-    assert len(set(positions[0, 0, 0].tolist()) ^ set(positions[0, 0, 1].tolist())) > 0  # heads diverged
+    p0 = cache.layers[0].positions
+    assert len(set(p0[0, 0].tolist()) ^ set(p0[0, 1].tolist())) > 0  # heads diverged
 
 
 @dataclass
@@ -86,7 +97,8 @@ class SignatureCheckPolicy(RetentionPolicy):
         self.seen = next_position
         did = super().after_forward(cache, next_position, meter, prefill)
         if did:
-            sig = self.scorer._sig if self.scorer.per_layer else self.scorer._sig[None].expand(len(cache.layers), -1, -1, -1, -1)
+            sig = _signatures(cache, self.scorer)
+            sig = sig if self.scorer.per_layer else sig.expand(len(cache.layers), -1, -1, -1, -1)
             for l, ly in enumerate(cache.layers):
                 for g in range(ly.positions.shape[1]):
                     for j, p in enumerate(ly.positions[0, g].tolist()):

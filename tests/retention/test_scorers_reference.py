@@ -302,43 +302,46 @@ def test_h2o_attention_mass_matches_reference():
 
 def test_h2o_accumulator_follows_compaction():
     """Accumulated mass per token == the sum of the mass it received at every step while stored,
-    tracked independently by absolute position, across a per-layer compaction."""
+    tracked independently by absolute position, across a per-layer compaction. (The accumulator
+    lives in the cache as per-token state, so the compaction moves it with the keys.)"""
+    from retention.cache import RetentionCache
+
     gen = torch.Generator().manual_seed(14)
     sc = make_scorer("h2o", window=2)
     n_layers = 2
-    store = [{"k": torch.empty(1, G, 0, D), "p": torch.empty(1, G, 0, dtype=torch.long)} for _ in range(n_layers)]
+    cache = RetentionCache(n_layers)
     ref = [dict() for _ in range(n_layers)]  # (g, position) -> mass
 
     def step(first_pos, q_len):
+        new = torch.arange(first_pos, first_pos + q_len)
+        cache.set_step_positions(new[None])
+        calls = []
         for l in range(n_layers):
-            st = store[l]
-            st["k"] = torch.cat([st["k"], torch.randn(1, G, q_len, D, generator=gen)], 2)
-            new = torch.arange(first_pos, first_pos + q_len)
-            st["p"] = torch.cat([st["p"], new[None, None].expand(1, G, -1)], 2)
+            keys, _ = cache.update(torch.randn(1, G, q_len, D, generator=gen), torch.zeros(1, G, q_len, D), l)
             query = torch.randn(1, HQ, q_len, D, generator=gen)
-            sc.accumulate(l, query, st["k"], st["p"], SCALE)
-            m = ref_mass(query, st["k"], st["p"], new[None], SCALE)
+            calls.append(SimpleNamespace(query=query, scaling=SCALE))
+        sc._recorder = SimpleNamespace(take=lambda c: calls)
+        sc.observe(cache, [first_pos + q_len])
+        for l in range(n_layers):
+            layer = cache.layers[l]
+            m = ref_mass(calls[l].query, layer.keys, layer.positions, new[None], SCALE)
             for g in range(G):
-                for j in range(st["p"].shape[-1]):
-                    key = (g, int(st["p"][0, g, j]))
+                for j in range(layer.positions.shape[-1]):
+                    key = (g, int(layer.positions[0, g, j]))
                     ref[l][key] = ref[l].get(key, 0.0) + float(m[0, g, j])
 
     step(0, 7)
     step(7, 1)
     keep = torch.stack([torch.tensor([[[0, 2, 5, 7], [1, 3, 6, 7]]]), torch.tensor([[[1, 2, 3, 7], [0, 4, 5, 6]]])])
-    for l in range(n_layers):
-        store[l]["k"] = torch.gather(store[l]["k"], 2, keep[l][..., None].expand(-1, -1, -1, D))
-        store[l]["p"] = torch.gather(store[l]["p"], 2, keep[l])
-    sc.compacted(keep)
+    cache.compact(keep)
     step(8, 1)
     step(9, 1)
+    view = cache.view(10)
     for l in range(n_layers):
-        got = sc._acc[l]
-        want = torch.tensor([[[ref[l][(g, int(p))] for p in store[l]["p"][0, g]] for g in range(G)]],
+        got = view.extra[l][sc.EXTRA]
+        want = torch.tensor([[[ref[l][(g, int(p))] for p in view.positions[l][0, g]] for g in range(G)]],
                             dtype=torch.float64)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    view = CacheView([s["k"] for s in store], [s["k"] for s in store], [s["p"] for s in store],
-                     [torch.zeros_like(s["p"], dtype=torch.bool) for s in store], 10)
     keep = sc.select(sc.score(view), view, 5)
     assert bool((keep[..., -2:] == torch.tensor([4, 5])).all())  # window=2: the two newest slots kept
 
@@ -353,8 +356,8 @@ def test_h2o_splits_the_budget_evenly_by_default():
     n = 12
     mass = torch.arange(n, 0, -1, dtype=torch.float32).expand(1, 1, 1, n).clone()  # older = heavier
     pos = torch.arange(n).expand(1, 1, n)
-    view = CacheView([torch.zeros(1, 1, n, 1)], [torch.zeros(1, 1, n, 1)], [pos], [torch.zeros(1, 1, n, dtype=torch.bool)], n)
-    sc._acc = [mass[0]]
+    view = CacheView([torch.zeros(1, 1, n, 1)], [torch.zeros(1, 1, n, 1)], [pos], [torch.zeros(1, 1, n, dtype=torch.bool)], n,
+                     extra=[{sc.EXTRA: mass[0]}])
     assert sc.select(sc.score(view), view, 7)[0, 0, 0].tolist() == [0, 1, 2, 8, 9, 10, 11]  # 3 heavy + 4 recent
     assert sc.select(sc.score(view), view, 6)[0, 0, 0].tolist() == [0, 1, 2, 9, 10, 11]
     # padding (invalid slots after the stored ones) is neither recent nor kept
