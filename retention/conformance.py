@@ -349,7 +349,7 @@ def _check_h2o(p: dict, t: dict, res: CaseResult) -> None:
     """Stateful: the `h2o` scorer accumulates over the prefill and `T` decode steps, evicting
     whenever the cache holds more than `hh + recent` slots, on its own kept cache."""
     from retention.cache import CacheView
-    from retention.scorers.h2o import H2O
+    from retention.scorers.h2o import H2O, attention_mass
 
     q, k = t["queries"].float(), t["keys"].float()  # [1, H, N, d]
     _, H, N, d = k.shape
@@ -361,42 +361,45 @@ def _check_h2o(p: dict, t: dict, res: CaseResult) -> None:
     scaling = 1.0 / math.sqrt(d)
     sc = H2O(window=recent)
     keys, pos = k[:, :, :P], torch.arange(P).expand(1, H, P)
+    acc = torch.zeros(1, H, 0)  # the accumulated mass of the kept slots (what the cache stores for h2o)
 
     def step(first: int, count: int) -> torch.Tensor:
-        nonlocal keys, pos
+        """Append `count` tokens (decode) and add the mass their queries give; returns the added mass."""
+        nonlocal keys, pos, acc
         if first:  # decode: append the new token to the kept cache
             keys = torch.cat([keys, k[:, :, first:first + count]], dim=2)
             pos = torch.cat([pos, torch.arange(first, first + count).expand(1, H, count)], dim=2)
-        before = sc._acc[0] if sc._acc else torch.zeros(1, H, 0)
-        sc.accumulate(0, q[:, :, first:first + count], keys, pos, scaling)
-        added = sc._acc[0] - torch.cat([before, before.new_zeros(1, H, keys.shape[2] - before.shape[2])], -1)
+        acc = torch.cat([acc, acc.new_zeros(1, H, keys.shape[2] - acc.shape[2])], -1)  # new tokens start at 0
+        added = attention_mass(q[:, :, first:first + count], keys, pos, pos[:, 0, -count:], scaling)
+        acc = acc + added
         return added
 
     def evict() -> None:
-        nonlocal keys, pos
+        nonlocal keys, pos, acc
         if keys.shape[2] <= C:
             return
-        view = CacheView([keys], [keys], [pos], [torch.zeros_like(pos, dtype=torch.bool)], int(pos.max()) + 1)
-        keep = sc.select(sc.score(view), view, C)  # [1, 1, H, C]
-        sc.compacted(keep)
-        keys = torch.gather(keys, 2, keep[0][..., None].expand(-1, -1, -1, d))
-        pos = torch.gather(pos, 2, keep[0])
+        view = CacheView([keys], [keys], [pos], [torch.zeros_like(pos, dtype=torch.bool)], int(pos.max()) + 1,
+                         extra=[{H2O.EXTRA: acc}])
+        keep = sc.select(sc.score(view), view, C)[0]  # [1, H, C]
+        acc = torch.gather(acc, 2, keep)
+        keys = torch.gather(keys, 2, keep[..., None].expand(-1, -1, -1, d))
+        pos = torch.gather(pos, 2, keep)
 
     step(0, P)
-    res.close("prefill_hh_score", sc._acc[0][0], t["prefill_hh_score"], H2O_ATOL)
+    res.close("prefill_hh_score", acc[0], t["prefill_hh_score"], H2O_ATOL)
     evict()
     res.kept("kept_positions[0]", pos[0], t["kept_positions"][0])
-    res.close("hh_score_post_evict[0]", sc._acc[0][0], t["hh_score_post_evict"][0], H2O_ATOL)
+    res.close("hh_score_post_evict[0]", acc[0], t["hh_score_post_evict"][0], H2O_ATOL)
     for s in range(T):
         added = step(P + s, 1)
         res.close(f"decode_attn[{s}]", added[0], t["decode_attn"][s], H2O_ATOL)
-        res.close(f"decode_hh_score_pre_evict[{s}]", sc._acc[0][0], t["decode_hh_score_pre_evict"][s], H2O_ATOL)
+        res.close(f"decode_hh_score_pre_evict[{s}]", acc[0], t["decode_hh_score_pre_evict"][s], H2O_ATOL)
         evict()
         res.kept(f"kept_positions[{s + 1}]", pos[0], t["kept_positions"][s + 1])
         if "heavy_positions" in t:  # heavy hitters are older than the recent part: the first hh kept
             res.kept(f"heavy_positions[{s + 1}]", pos[0, :, :hh], t["heavy_positions"][s + 1])
         # Position order on both sides, so the scores align slot by slot.
-        res.close(f"hh_score_post_evict[{s + 1}]", sc._acc[0][0], t["hh_score_post_evict"][s + 1], H2O_ATOL)
+        res.close(f"hh_score_post_evict[{s + 1}]", acc[0], t["hh_score_post_evict"][s + 1], H2O_ATOL)
 
 
 _CHECKERS = {"triattention_score": _check_triattention, "snapkv_decode": _check_snapkv, "rkv": _check_rkv,
