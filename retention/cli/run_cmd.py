@@ -78,7 +78,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
               help="mean: B is the measured mean cache; peak: never above B; prefill: B right after compaction.")
 @click.option("--sink", type=int, default=None, help="Protected first tokens (default: the scorer's, 4 for streaming).")
 @click.option("--recent", type=int, default=None, help="Protected most recent tokens (default: the scorer's).")
-@click.option("--lambda", "lam", type=float, default=None, help="alpha/rkv: redundancy weight lambda (defaults: alpha 0.5, rkv 0.1); applies to every listed scorer that takes it.")
+@click.option("--param", "params", multiple=True, metavar="SCORER.NAME=VALUE",
+              help="One scorer's parameter, e.g. --param alpha.lam=0.5 --param rkv.lam=0.1 (repeatable).")
+@click.option("--lambda", "lam", type=float, default=None, help="Deprecated alias of --param alpha.lam / rkv.lam (defaults: alpha 0.5, rkv 0.1); refused when both are listed.")
 @click.option("--radius", type=float, default=None, help="alpha: cosine radius under which no penalty applies (default 0).")
 @click.option("--window", type=int, default=None, help="snapkv/rkv/h2o: recent query/window size (default 8).")
 @click.option("--routing", type=click.Choice(["shared", "per-layer"]), default=None,
@@ -102,7 +104,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, lam, radius, window, routing,
+def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, params, lam, radius, window, routing,
                 stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p, seed, ignore_eos,
                 fidelity, no_grade, dtype, device, out, quiet):
     """Generate on the dev split under retention policies and write resumable run directories.
@@ -120,12 +122,17 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     if baseline and baseline not in names:
         names.append(baseline)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
-    options = {"lam": lam, "radius": radius, "window": window, "routing": routing, "stats": stats_path}
+    from retention.cli.scorer_options import resolve
+
+    shared = {"--lambda": lam, "--radius": radius, "--window": window, "--routing": routing, "--stats": stats_path}
+    options = resolve(names, shared, params)
+    if lam is not None:
+        click.echo("warning: --lambda is deprecated; use --param SCORER.lam=VALUE", err=True)
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
             "accounting": accounting, "sink": sink, "recent": recent, "split": split, "data": data_path,
             "limit": limit, "samples": samples, "seed": seed, "fidelity": fidelity, **sampling}
     # Validate every arm before loading a model or touching the output folder.
-    arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
+    arm_specs = [(name, *build_arm_config(base, name, options[name])) for name in names]
     run_dirs = execute(model, dtype, device, arm_specs, split=split, data_path=data_path, limit=limit,
                        samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
                        out=Path(out), progress=not quiet)
