@@ -86,7 +86,9 @@ class SignatureCheckPolicy(RetentionPolicy):
         self.seen = next_position
         did = super().after_forward(cache, next_position, meter, prefill)
         if did:
-            sig = self.scorer._sig if self.scorer.per_layer else self.scorer._sig[None].expand(len(cache.layers), -1, -1, -1, -1)
+            sig = self.scorer._sig
+            if not self.scorer.per_layer:  # one buffer for every layer: they keep the same tokens
+                sig = sig[None].expand(len(cache.layers), -1, -1, -1, -1)
             for l, ly in enumerate(cache.layers):
                 for g in range(ly.positions.shape[1]):
                     for j, p in enumerate(ly.positions[0, g].tolist()):
