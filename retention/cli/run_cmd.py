@@ -82,7 +82,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--protect-prompt", is_flag=True,
               help="The reference rule: prompt tokens are never evicted nor candidates; b + N applies to the "
                    "generated tokens (the meter still counts the prompt).")
-@click.option("--lambda", "lam", type=float, default=None, help="alpha/rkv: redundancy weight lambda (defaults: alpha 0.5, rkv 0.1); applies to every listed scorer that takes it.")
+@click.option("--param", "params", multiple=True, metavar="SCORER.NAME=VALUE",
+              help="One scorer's parameter, e.g. --param alpha.lam=0.5 --param rkv.lam=0.1 (repeatable).")
+@click.option("--lambda", "lam", type=float, default=None, help="Deprecated alias of --param alpha.lam / rkv.lam (defaults: alpha 0.5, rkv 0.1); refused when both are listed.")
 @click.option("--radius", type=float, default=None, help="alpha: cosine radius under which no penalty applies (default 0).")
 @click.option("--window", type=int, default=None, help="snapkv/rkv/h2o: recent query/window size (default 8).")
 @click.option("--routing", type=click.Choice(["shared", "per-layer"]), default=None,
@@ -120,7 +122,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--cpus-per-shard", type=float, default=1.0, show_default=True, help="With --ray: CPUs per shard.")
 @click.option("--retries", type=int, default=3, show_default=True,
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
-def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, protect_prompt, lam, radius,
+def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, routing, stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p,
                 seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
                 shards, gpus_per_shard, cpus_per_shard, retries):
@@ -142,13 +144,18 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     if baseline and baseline not in names:
         names.append(baseline)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
-    options = {"lam": lam, "radius": radius, "window": window, "routing": routing, "stats": stats_path}
+    from retention.cli.scorer_options import resolve
+
+    shared = {"--lambda": lam, "--radius": radius, "--window": window, "--routing": routing, "--stats": stats_path}
+    options = resolve(names, shared, params)
+    if lam is not None:
+        click.echo("warning: --lambda is deprecated; use --param SCORER.lam=VALUE", err=True)
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
             "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
             "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
             "fidelity": fidelity, **sampling}
     # Validate every arm before loading a model or touching the output folder.
-    arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
+    arm_specs = [(name, *build_arm_config(base, name, options[name])) for name in names]
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
                out=Path(out), batch_size=batch_size)
