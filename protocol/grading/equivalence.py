@@ -788,12 +788,12 @@ def _clock_equal(a: Clock, b: Clock) -> bool:
     """Same time of day. With a.m./p.m. on both sides the 24-hour times must match; a side
     without one (``5:30``) is read on a 12-hour dial, so it matches ``5:30 p.m.`` and ``17:30``
     but never ``6:30``; two bare times must match exactly (``5:30`` is not ``17:30``)."""
-    if a.minutes == b.minutes:
+    if a.seconds == b.seconds:
         return True
     if a.meridiem and b.meridiem:
         return False
     if a.meridiem or b.meridiem:
-        return a.minutes % 720 == b.minutes % 720
+        return a.seconds % 43200 == b.seconds % 43200
     return False
 
 

@@ -45,14 +45,20 @@ PROSE_WORDS = 5
 #: How far after "Answer:" / "final answer is" the answer is looked for.
 SEGMENT_MAX_CHARS = 2000
 
-#: End-of-turn and role markers of chat templates (ChatML, Llama 3, Gemma, Mistral, Phi, DeepSeek,
-#: plain "Human:"/"User:" transcripts). Text after the first one that follows some content belongs
-#: to another turn (a model that runs on past its end of sequence), never to this answer.
+#: End-of-turn and role markers of chat templates: any `<|...|>` special token (ChatML, Llama 3,
+#: Phi, GPT), DeepSeek's `<｜...｜>`, `</s>`, `<eos>`, Gemma's turn markers, Mistral's `[INST]`, and
+#: "Human:"/"User:"/"Assistant:" at a line start. Text after the first one that follows some
+#: content belongs to another turn (a model running on past its end of sequence), never to this
+#: answer.
 _CHAT_STOP = re.compile(
-    r"<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>|<\|eot_id\|>|<\|start_header_id\|>|<\|end\|>|"
-    r"<\|user\|>|<\|assistant\|>|<\|system\|>|<｜end▁of▁sentence｜>|<｜User｜>|<｜Assistant｜>|"
-    r"</s>|<eos>|<end_of_turn>|<start_of_turn>|\[INST\]|\[/INST\]|"
+    r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>\n]{1,40}｜>|</s>|<eos>|<end_of_turn>|<start_of_turn>|"
+    r"\[INST\]|\[/INST\]|"
     r"(?m:^[ \t#*>]*(?:Human|HUMAN|User|USER|Assistant|ASSISTANT|### Instruction)[ \t*]*:)")
+#: Few-shot continuations: a base model that answers, then writes the next "Question:". Weaker
+#: than a template token (a solution may restate "Problem:" first), so they end the answer only
+#: when an answer (a box or an "answer" statement) comes before them.
+_WEAK_STOP = re.compile(r"(?m:^[ \t#*>]*(?:Question|Problem|Q)[ \t*]*[:：])")
+_HAS_ANSWER = re.compile(r"(?i)\\boxed|\\fbox|\banswer\b")
 _BOX_CMD = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _FINAL_IS = re.compile(r"(?i)\b(?:final\s+answer|the\s+answer)\s+(?:is|was|would\s+be|will\s+be)\b\s*:?")
 _ANSWER_COLON = re.compile(r"(?i)\banswer\s*\**\s*[:：]")
@@ -194,8 +200,12 @@ def _is_connector(gap: str) -> bool:
         return True
     if re.fullmatch(r"[\s,;]+", g):
         return True
-    if re.search(r"[.!?:](\s|$)", g):
-        return False  # a sentence ends between them: separate statements
+    ends = list(re.finditer(r"[.!?:](\s|$)", g))
+    if ends:
+        # a sentence ends between them: separate statements ("3. Wait, recomputing: 4"),
+        # unless the next one opens with a hedge ("3. Alternatively, 4" offers two answers)
+        first = _CONNECTOR_WORDS.findall(g[ends[-1].end():])
+        return bool(first) and first[0].lower() in _HEDGE_WORDS and len(first) <= 6
     words = _CONNECTOR_WORDS.findall(g)
     if not words or len(words) > 6:
         return False
@@ -273,6 +283,9 @@ _NUMBER_WORDS = {w: i for i, w in enumerate(
 _NUMBER_WORDS.update({w: 10 * (i + 2) for i, w in enumerate(
     "twenty thirty forty fifty sixty seventy eighty ninety".split())})
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 10 ** 6}
+_DENOMINATORS = {"half": 2, "halves": 2, "third": 3, "thirds": 3, "quarter": 4, "quarters": 4}
+_DENOMINATORS.update({w + s: d for d, w in enumerate(
+    "fourth fifth sixth seventh eighth ninth tenth".split(), start=4) for s in ("", "s")})
 _CLOCK = r"\d{1,2}:\d{2}(?:\s*[ap]\.?\s?m\b\.?)?"
 _NUMERAL = (r"-?\d{1,3}(?:(?:,| )\d{3})+(?:\.\d+)?(?![\d,])"  # 1,234 / 1 234 567
             r"|-?\d+\s+\d+\s*/\s*\d+"                         # 2 1/2 (a mixed number)
@@ -310,7 +323,12 @@ def _number_words(s: str) -> tuple[str, int] | None:
         return None
     if s[:used].rstrip().lower().endswith("and"):
         used = s[:used].lower().rstrip().rfind("and")
-    return str(total + current), used
+    value = total + current
+    m = re.match(r"[\s-]*([A-Za-z]+)", s[used:])
+    den = _DENOMINATORS.get(m.group(1).lower()) if m else None
+    if den is not None:  # "one half", "three-fourths"
+        return f"{value}/{den}", used + m.end()
+    return str(value), used
 
 
 def _prose_value(rest: str) -> str | None:
@@ -384,6 +402,26 @@ def _conclusion(text: str) -> tuple[int, str] | None:
     return (m.start(), value) if value and _numeric(value) else None
 
 
+_RESTATE = re.compile(r"(?i)\s*(?:so|thus|therefore|hence|consequently|in total|in all|altogether|"
+                      r"overall|finally|actually|wait|but|correction)\b|.*\banswer\b")
+
+
+def _restatement(after: str) -> str | None:
+    """A number restated in the concluding sentence after the last box ("\\boxed{12}. Thus there
+    are 13 such numbers.", "... Actually, it should be 4."). The output then states two final
+    answers, and credit needs both right. Only a sentence that concludes or corrects counts
+    ("so", "thus", "actually", "wait", "the answer ..."): "The other root is 3, which we reject"
+    is commentary."""
+    masked = _mask_math(after)
+    starts = [0] + [m.end() for m in _SENTENCE_END.finditer(re.sub(r"[ap]\.m\.", "pm", masked))
+                    if masked[m.end():].strip(" \n\t*.!")]
+    sentence = after[starts[-1]:]
+    if not _RESTATE.match(_mask_math(sentence)):
+        return None
+    stated = _statement(sentence) or _conclusion(sentence)
+    return stated[1] if stated and _numeric(stated[1]) else None
+
+
 # ------------------------------------------------------------------------------------ refining
 
 def _starts_with_math(seg: str) -> bool:
@@ -454,11 +492,16 @@ def _last(pattern: re.Pattern, text: str):
 def _clean(text: str) -> str:
     """The model's own turn: text up to the first chat-template marker that follows some
     content (a marker before any content, such as a leading "<|im_start|>assistant", is
-    dropped)."""
+    dropped), then up to the first few-shot "Question:" that follows an answer."""
     for m in _CHAT_STOP.finditer(text):
         if _CHAT_STOP.sub("", text[:m.start()]).strip():
-            return _CHAT_STOP.sub("", text[:m.start()])
-    return _CHAT_STOP.sub("", text)
+            text = text[:m.start()]
+            break
+    text = _CHAT_STOP.sub("", text)
+    for m in _WEAK_STOP.finditer(text):
+        if _HAS_ANSWER.search(text, 0, m.start()):
+            return text[:m.start()]
+    return text
 
 
 def _final_part(text: str) -> str | None:
@@ -535,8 +578,8 @@ def _extract(text: str) -> Extraction:
             return Extraction(final[1], "final_answer")
         ans = _part_answer(boxes, text) or _join([c for _, _, c in group])
         if ans:
-            stated = _statement(after)
-            others = (stated[1],) if stated and _numeric(stated[1]) else ()
+            stated = _restatement(after)
+            others = (stated,) if stated else ()
             return Extraction(ans, "boxed", tuple(o for o in others if o != ans))
 
     final = _final_statement(text)
