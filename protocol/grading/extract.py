@@ -356,6 +356,12 @@ def _prose_value(rest: str) -> str | None:
     return None
 
 
+def _states_more(rest: str) -> bool:
+    """Whether text after a sentence could state a value (a digit, math, a box): closing
+    remarks without one ("I hope this helps!") do not displace the concluding sentence."""
+    return bool(re.search(r"[0-9$\\]", rest))
+
+
 def _numeric(value: str) -> bool:
     return bool(_LEAD_NUMBER.match(value))
 
@@ -372,8 +378,8 @@ def _statement(text: str) -> tuple[int, str] | None:
         return None
     tail = text[m.end():]
     end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", tail))
-    if end is not None and tail[end.end():].strip(" \n\t*.!"):
-        return None  # a later sentence follows: not the concluding statement
+    if end is not None and _states_more(tail[end.end():]):
+        return None  # a later sentence names a value: this is not the concluding statement
     return m.start(), value
 
 
@@ -393,8 +399,8 @@ def _conclusion(text: str) -> tuple[int, str] | None:
         return None
     sentence = masked[m.end():]
     end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", sentence))
-    if end is not None and sentence[end.end():].strip(" \n\t*.!"):
-        return None  # a later sentence follows
+    if end is not None and _states_more(sentence[end.end():]):
+        return None  # a later sentence names a value
     numbers = list(_ANY_NUMBER.finditer(sentence))
     if len(numbers) != 1:
         return None
@@ -414,7 +420,7 @@ def _restatement(after: str) -> str | None:
     is commentary."""
     masked = _mask_math(after)
     starts = [0] + [m.end() for m in _SENTENCE_END.finditer(re.sub(r"[ap]\.m\.", "pm", masked))
-                    if masked[m.end():].strip(" \n\t*.!")]
+                    if _states_more(after[m.end():])]
     sentence = after[starts[-1]:]
     if not _RESTATE.match(_mask_math(sentence)):
         return None
@@ -602,6 +608,10 @@ def _extract(text: str) -> Extraction:
             return Extraction(ans, "math")
 
     bare = text.strip()
+    words = _number_words(bare)
+    if words is not None and re.fullmatch(r"\s*(?:percent|per cent|degrees?)?[\s.]*",
+                                          bare[words[1]:], re.I):
+        return Extraction(_prose_value(bare), "bare")  # "twenty-five percent"
     if len(bare) <= BARE_MAX_CHARS and "\n\n" not in bare and not _is_prose(bare):
         bare = bare.replace("$", " ").strip().rstrip(".").strip()
         if bare:

@@ -98,7 +98,7 @@ class Clock(Node):
     """A time of day ``5:30``, ``5:30 p.m.``: `seconds` after midnight (read on a 12-hour dial
     when `meridiem` is None)."""
     seconds: int
-    meridiem: str | None  # "am", "pm" or None
+    meridiem: str | None  # "am", "pm", "24h" (an hour 0 or 13-24), or None (1-12, either half)
 
 
 @dataclass(frozen=True)
@@ -392,6 +392,8 @@ def _clock(s: str) -> Clock | None:
     if mer:
         mer = mer.lower() + "m"
         h = h % 12 + (12 if mer == "pm" else 0)
+    elif h == 0 or h > 12:
+        mer = "24h"  # 17:30 names one time of day; only 1:00-12:59 is ambiguous
     return Clock((h * 60 + mins) * 60 + secs, mer)
 
 
