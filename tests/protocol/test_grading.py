@@ -18,6 +18,8 @@ from protocol.grading import Grade, extract_answer, grade, grade_many
 
 ROOT = Path(protocol.__file__).resolve().parent.parent
 CASES = ROOT.parent / "shared" / "grading" / "cases.jsonl"
+CORPUS_DIR = Path(__file__).resolve().parent / "grading_corpus"
+CORPUS = CORPUS_DIR / "corpus.jsonl"
 TIMEOUT = 10.0  # generous: these tests are about verdicts; safety has its own tests
 
 
@@ -41,6 +43,60 @@ def test_case_file_agreement_at_least_99_percent(case_results):
         print(f"  #{i} [{c['category']}] expected {c['expected']}, got {g.verdict} ({g.reason}); "
               f"extracted {g.extracted!r} via {g.rule}; gold {c['gold']!r}")
     assert agreement >= 0.99
+
+
+# -------------------------------------------------------------------------- the public corpus
+
+@pytest.fixture(scope="module")
+def corpus():
+    return [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def corpus_results(corpus):
+    return grade_many([(r["pred"], r["gold"]) for r in corpus], timeout=TIMEOUT, workers=2)
+
+
+def test_corpus_agreement_and_no_false_positive(corpus, corpus_results):
+    wrong = [(r, g) for r, g in zip(corpus, corpus_results) if (g.verdict is True) != r["expected"]]
+    false_pos = [(r, g) for r, g in wrong if g.verdict is True]
+    print(f"\ncorpus agreement: {len(corpus) - len(wrong)}/{len(corpus)}; false positives {len(false_pos)}")
+    for r, g in wrong:
+        print(f"  [{r['category']}/{r['style']}] expected {r['expected']}, got {g.verdict} ({g.reason}); "
+              f"extracted {g.extracted!r} via {g.rule}; gold {r['gold']!r}")
+    assert 1 - len(wrong) / len(corpus) >= 0.995
+    assert not false_pos
+
+
+def test_corpus_size_labels_and_categories(corpus):
+    assert len(corpus) >= 1000
+    assert all(set(r) == {"pred", "gold", "expected", "category", "style", "variant"} for r in corpus)
+    by_cat: dict[str, set] = {}
+    for r in corpus:
+        by_cat.setdefault(r["category"], set()).add(r["expected"])
+    math_types = {"integer", "fraction", "radical_pi", "interval", "tuple", "set", "list", "matrix",
+                  "equation", "text", "units", "degrees", "base", "complex", "decimal", "expression"}
+    families = {"clock", "percent", "mixed_number", "thousands_sep", "multi_part", "chat_leftover",
+                "markdown_final", "last_sentence", "several_boxes", "think"}
+    assert math_types | families <= set(by_cat), sorted(math_types | families - set(by_cat))
+    one_sided = sorted(c for c in math_types | families if by_cat[c] != {True, False})
+    assert not one_sided  # every answer type and family has true pairs and near misses
+    styles = {r["style"] for r in corpus}
+    assert {"r1_think", "truncated_think", "chat_leftover", "hedged_boxes", "markdown_heading",
+            "bold_final_answer", "last_sentence", "display_math", "handwritten"} <= styles
+
+
+def test_corpus_is_what_its_generator_writes(corpus):
+    """The data file is the generator's output (no hand edits outside handwritten.jsonl)."""
+    import importlib.util
+
+    data = ROOT.parent / "shared" / "data" / "math500.jsonl"
+    if not data.exists():
+        pytest.skip("MATH-500 data not present")
+    spec = importlib.util.spec_from_file_location("make_corpus", CORPUS_DIR / "make_corpus.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.build(data) == corpus
 
 
 def test_case_file_never_crashes_and_records_a_rule(case_results):
