@@ -412,6 +412,18 @@ _RESTATE = re.compile(r"(?i)\s*(?:so|thus|therefore|hence|consequently|in total|
                       r"overall|finally|actually|wait|but|correction)\b|.*\banswer\b")
 
 
+def _tail(text: str) -> tuple[int, str]:
+    """(offset, text) of the end of `text` in which a concluding sentence is looked for: the last
+    `SEGMENT_MAX_CHARS`, from a line start so that no math span is cut in two. Keeps the prose
+    rules linear in a short window whatever the output's length."""
+    if len(text) <= SEGMENT_MAX_CHARS:
+        return 0, text
+    off = len(text) - SEGMENT_MAX_CHARS
+    nl = text.find("\n", off)
+    off = nl + 1 if 0 <= nl < len(text) - 1 else off
+    return off, text[off:]
+
+
 def _restatement(after: str) -> str | None:
     """A number restated in the concluding sentence after the last box ("\\boxed{12}. Thus there
     are 13 such numbers.", "... Actually, it should be 4."). The output then states two final
@@ -584,7 +596,7 @@ def _extract(text: str) -> Extraction:
             return Extraction(final[1], "final_answer")
         ans = _part_answer(boxes, text) or _join([c for _, _, c in group])
         if ans:
-            stated = _restatement(after)
+            stated = _restatement(_tail(after)[1])
             others = (stated,) if stated else ()
             return Extraction(ans, "boxed", tuple(o for o in others if o != ans))
 
@@ -599,7 +611,10 @@ def _extract(text: str) -> Extraction:
             return Extraction(ans, "answer")
 
     spans = [s for s in math_spans(text) if s[2].strip()]
-    stated = _statement(text) or _conclusion(text)
+    off, tail = _tail(text)
+    stated = _statement(tail) or _conclusion(tail)
+    if stated is not None:
+        stated = (off + stated[0], stated[1])
     if stated is not None and (not spans or (stated[0] > spans[-1][1] and _numeric(stated[1]))):
         return Extraction(stated[1], "is")  # the last sentence states it in words
     if spans:
