@@ -193,7 +193,7 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
         line += "; " + compare_line(grades, opinions)
         if disagreements is not None:
             _write_atomic(disagreements, differ)
-            line += f" -> {disagreements}"
+            line += f" (written to {disagreements})"
     if out is None:
         sys.stdout.writelines(lines)
         sys.stdout.flush()

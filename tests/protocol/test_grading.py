@@ -420,3 +420,53 @@ def test_cli_grade_bad_input_is_one_line_and_writes_nothing(tmp_path, lines, nee
 def test_cli_grade_missing_file(tmp_path):
     res = CliRunner().invoke(_cli(), ["grade", str(tmp_path / "none.jsonl")])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+# ---------------------------------------------------------------------- --compare math-verify
+
+def _has_math_verify() -> bool:
+    from protocol.grading import mathverify
+
+    return mathverify.version() is not None
+
+
+@pytest.mark.skipif(not _has_math_verify(), reason="math-verify not installed (extra 'mathverify')")
+def test_cli_grade_compare_math_verify_writes_both_verdicts_and_the_disagreements(tmp_path):
+    src, out, dis = tmp_path / "r.jsonl", tmp_path / "out.jsonl", tmp_path / "dis.jsonl"
+    leftover = (r"So $\boxed{5}$.<|im_end|>" "\n<|im_start|>user\nAnd 2+2?<|im_end|>\n"
+                r"<|im_start|>assistant\n$\boxed{4}$")
+    _write(src, [{"pred": r"so $\boxed{\frac12}$", "gold": "0.5"},  # both credit it
+                 {"pred": leftover, "gold": "5"},                    # the next turn's box is not this answer
+                 {"pred": r"$\boxed{7}$", "gold": "8"}])             # both refuse it
+    res = CliRunner().invoke(_cli(), ["grade", str(src), "--out", str(out), "--compare", "math-verify",
+                                      "--disagreements", str(dis)])
+    assert res.exit_code == 0, res.output
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["verdict"] for r in got] == [True, True, False]
+    assert all(set(r["math_verify"]) == {"verdict", "reason"} for r in got)
+    assert got[0]["math_verify"]["verdict"] is True and got[2]["math_verify"]["verdict"] is False
+    differ = [json.loads(line) for line in dis.read_text().splitlines()]
+    expected = [r for r in got if (r["verdict"] is True) != (r["math_verify"]["verdict"] is True)]
+    assert [d["line"] for d in differ] == [got.index(r) + 1 for r in expected]
+    assert all({"pred", "gold", "extracted", "verdict", "reason", "math_verify"} <= set(d) for d in differ)
+    n = len(differ)
+    assert f"math-verify agrees on {3 - n}/3; disagreements {n} " in res.output
+
+
+def test_cli_grade_disagreements_needs_compare(tmp_path):
+    src = tmp_path / "r.jsonl"
+    _write(src, RECORDS[1:2])
+    res = CliRunner().invoke(_cli(), ["grade", str(src), "--disagreements", str(tmp_path / "d.jsonl")])
+    assert res.exit_code == 1 and res.output.strip() == "Error: --disagreements needs --compare"
+
+
+def test_cli_grade_compare_without_math_verify_is_one_error_line(tmp_path, monkeypatch):
+    from protocol.grading import mathverify
+
+    monkeypatch.setattr(mathverify, "version", lambda: None)
+    src = tmp_path / "r.jsonl"
+    _write(src, RECORDS[1:2])
+    res = CliRunner().invoke(_cli(), ["grade", str(src), "--compare", "math-verify"])
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines() == [
+        "Error: math-verify is not installed: pip install 'retention[mathverify]'"]
