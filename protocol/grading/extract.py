@@ -331,11 +331,17 @@ def _number_words(s: str) -> tuple[str, int] | None:
     return str(value), used
 
 
+#: Words that may stand before a stated value: "is a 25% increase", "is about 3.5 hours".
+_HEDGE_LEAD = re.compile(r"(?i)^\s*(?:a|an|the|about|approximately|roughly|around|exactly|only|just|"
+                         r"precisely|equal to)\s+(?=[-\d.])")
+
+
 def _prose_value(rest: str) -> str | None:
     """The answer at the start of prose that follows "is"/"are": a number keeps only what makes
     it a value (percent, degrees, a.m./p.m.), dropping the nouns after it ("12 such numbers" ->
     "12", "2 1/2 cups" -> "2 1/2", "twenty-five percent" -> "25%"); other text is kept when it is
     short (four words at most: "Evelyn", "the ellipse"), else there is no answer here."""
+    rest = _HEDGE_LEAD.sub("", rest, count=1)
     m = _LEAD_NUMBER.match(rest)
     if m is not None:
         after = rest[m.end():]
