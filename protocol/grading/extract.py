@@ -418,6 +418,13 @@ _RESTATE = re.compile(r"(?i)\s*(?:so|thus|therefore|hence|consequently|in total|
                       r"overall|finally|actually|wait|but|correction)\b|.*\banswer\b")
 
 
+def _single_number(ans: str) -> bool:
+    """A boxed answer that is one number (`12`, `\\frac{3}{4}`, `2\\sqrt{3}`), the only kind a
+    number restated after it can contradict: after `\\boxed{(1,2),(3,4)}`, "So there are 2
+    pairs" counts the answer instead of restating it."""
+    return bool(re.search(r"\d", ans)) and not re.search(r"[,;=(\[]|\\[{}]|matrix|\\cup|\\pm|[a-zA-Z]\s*$", ans)
+
+
 def _tail(text: str) -> tuple[int, str]:
     """(offset, text) of the end of `text` in which a concluding sentence is looked for: the last
     `SEGMENT_MAX_CHARS`, from a line start so that no math span is cut in two. Keeps the prose
@@ -602,7 +609,7 @@ def _extract(text: str) -> Extraction:
             return Extraction(final[1], "final_answer")
         ans = _part_answer(boxes, text) or _join([c for _, _, c in group])
         if ans:
-            stated = _restatement(_tail(after)[1])
+            stated = _restatement(_tail(after)[1]) if _single_number(ans) else None
             others = (stated,) if stated else ()
             return Extraction(ans, "boxed", tuple(o for o in others if o != ans))
 
