@@ -54,10 +54,12 @@ _CHAT_STOP = re.compile(
     r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>\n]{1,40}｜>|</s>|<eos>|<end_of_turn>|<start_of_turn>|"
     r"\[INST\]|\[/INST\]|"
     r"(?m:^[ \t#*>]*(?:Human|HUMAN|User|USER|Assistant|ASSISTANT|### Instruction)[ \t*]*:)")
-#: Few-shot continuations: a base model that answers, then writes the next "Question:". Weaker
+#: Few-shot continuations: a base model that answers, then writes the next "Question:", and the
+#: bare role lines ("user", "assistant") that decoding with special tokens skipped leaves. Weaker
 #: than a template token (a solution may restate "Problem:" first), so they end the answer only
 #: when an answer (a box or an "answer" statement) comes before them.
-_WEAK_STOP = re.compile(r"(?m:^[ \t#*>]*(?:Question|Problem|Q)[ \t*]*[:：])")
+_WEAK_STOP = re.compile(r"(?m:^[ \t#*>]*(?:Question|Problem|Q)[ \t*]*[:：])|"
+                        r"(?m:^[ \t]*(?:user|assistant|model)[ \t]*$)")
 _HAS_ANSWER = re.compile(r"(?i)\\boxed|\\fbox|\banswer\b")
 _BOX_CMD = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _FINAL_IS = re.compile(r"(?i)\b(?:final\s+answer|the\s+answer)\s+(?:is|was|would\s+be|will\s+be)\b\s*:?")
