@@ -785,15 +785,15 @@ class _Comparator:
 
 
 def _clock_equal(a: Clock, b: Clock) -> bool:
-    """Same time of day. With a.m./p.m. on both sides the 24-hour times must match; a side
-    without one (``5:30``) is read on a 12-hour dial, so it matches ``5:30 p.m.`` and ``17:30``
-    but never ``6:30``; two bare times must match exactly (``5:30`` is not ``17:30``)."""
-    if a.minutes == b.minutes:
+    """Same time of day. A bare ``5:30`` (hour 1-12, no a.m./p.m.) is read on a 12-hour dial:
+    it matches ``5:30 a.m.`` and ``5:30 p.m.``, never ``6:30``. Everything else must name the
+    same instant: ``17:30`` = ``5:30 p.m.``, but ``5:30`` is not ``17:30`` (a bare 24-hour time
+    is not the spelling of an a.m./p.m. one, and two different spellings of times that may
+    differ are not credited)."""
+    if a.seconds == b.seconds:
         return True
-    if a.meridiem and b.meridiem:
-        return False
-    if a.meridiem or b.meridiem:
-        return a.minutes % 720 == b.minutes % 720
+    if {a.meridiem, b.meridiem} in ({None, "am"}, {None, "pm"}):
+        return a.seconds % 43200 == b.seconds % 43200
     return False
 
 

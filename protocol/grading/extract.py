@@ -45,14 +45,22 @@ PROSE_WORDS = 5
 #: How far after "Answer:" / "final answer is" the answer is looked for.
 SEGMENT_MAX_CHARS = 2000
 
-#: End-of-turn and role markers of chat templates (ChatML, Llama 3, Gemma, Mistral, Phi, DeepSeek,
-#: plain "Human:"/"User:" transcripts). Text after the first one that follows some content belongs
-#: to another turn (a model that runs on past its end of sequence), never to this answer.
+#: End-of-turn and role markers of chat templates: any `<|...|>` special token (ChatML, Llama 3,
+#: Phi, GPT), DeepSeek's `<｜...｜>`, `</s>`, `<eos>`, Gemma's turn markers, Mistral's `[INST]`, and
+#: "Human:"/"User:"/"Assistant:" at a line start. Text after the first one that follows some
+#: content belongs to another turn (a model running on past its end of sequence), never to this
+#: answer.
 _CHAT_STOP = re.compile(
-    r"<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>|<\|eot_id\|>|<\|start_header_id\|>|<\|end\|>|"
-    r"<\|user\|>|<\|assistant\|>|<\|system\|>|<｜end▁of▁sentence｜>|<｜User｜>|<｜Assistant｜>|"
-    r"</s>|<eos>|<end_of_turn>|<start_of_turn>|\[INST\]|\[/INST\]|"
+    r"<\|[^|<>\s]{1,40}\|>|<｜[^｜<>\n]{1,40}｜>|</s>|<eos>|<end_of_turn>|<start_of_turn>|"
+    r"\[INST\]|\[/INST\]|"
     r"(?m:^[ \t#*>]*(?:Human|HUMAN|User|USER|Assistant|ASSISTANT|### Instruction)[ \t*]*:)")
+#: Few-shot continuations: a base model that answers, then writes the next "Question:", and the
+#: bare role lines ("user", "assistant") that decoding with special tokens skipped leaves. Weaker
+#: than a template token (a solution may restate "Problem:" first), so they end the answer only
+#: when an answer (a box or an "answer" statement) comes before them.
+_WEAK_STOP = re.compile(r"(?m:^[ \t#*>]*(?:Question|Problem|Q)[ \t*]*[:：])|"
+                        r"(?m:^[ \t]*(?:user|assistant|model)[ \t]*$)")
+_HAS_ANSWER = re.compile(r"(?i)\\boxed|\\fbox|\banswer\b")
 _BOX_CMD = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _FINAL_IS = re.compile(r"(?i)\b(?:final\s+answer|the\s+answer)\s+(?:is|was|would\s+be|will\s+be)\b\s*:?")
 _ANSWER_COLON = re.compile(r"(?i)\banswer\s*\**\s*[:：]")
@@ -194,8 +202,12 @@ def _is_connector(gap: str) -> bool:
         return True
     if re.fullmatch(r"[\s,;]+", g):
         return True
-    if re.search(r"[.!?:](\s|$)", g):
-        return False  # a sentence ends between them: separate statements
+    ends = list(re.finditer(r"[.!?:](\s|$)", g))
+    if ends:
+        # a sentence ends between them: separate statements ("3. Wait, recomputing: 4"),
+        # unless the next one opens with a hedge ("3. Alternatively, 4" offers two answers)
+        first = _CONNECTOR_WORDS.findall(g[ends[-1].end():])
+        return bool(first) and first[0].lower() in _HEDGE_WORDS and len(first) <= 6
     words = _CONNECTOR_WORDS.findall(g)
     if not words or len(words) > 6:
         return False
@@ -273,6 +285,9 @@ _NUMBER_WORDS = {w: i for i, w in enumerate(
 _NUMBER_WORDS.update({w: 10 * (i + 2) for i, w in enumerate(
     "twenty thirty forty fifty sixty seventy eighty ninety".split())})
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 10 ** 6}
+_DENOMINATORS = {"half": 2, "halves": 2, "third": 3, "thirds": 3, "quarter": 4, "quarters": 4}
+_DENOMINATORS.update({w + s: d for d, w in enumerate(
+    "fourth fifth sixth seventh eighth ninth tenth".split(), start=4) for s in ("", "s")})
 _CLOCK = r"\d{1,2}:\d{2}(?:\s*[ap]\.?\s?m\b\.?)?"
 _NUMERAL = (r"-?\d{1,3}(?:(?:,| )\d{3})+(?:\.\d+)?(?![\d,])"  # 1,234 / 1 234 567
             r"|-?\d+\s+\d+\s*/\s*\d+"                         # 2 1/2 (a mixed number)
@@ -310,7 +325,17 @@ def _number_words(s: str) -> tuple[str, int] | None:
         return None
     if s[:used].rstrip().lower().endswith("and"):
         used = s[:used].lower().rstrip().rfind("and")
-    return str(total + current), used
+    value = total + current
+    m = re.match(r"[\s-]*([A-Za-z]+)", s[used:])
+    den = _DENOMINATORS.get(m.group(1).lower()) if m else None
+    if den is not None:  # "one half", "three-fourths"
+        return f"{value}/{den}", used + m.end()
+    return str(value), used
+
+
+#: Words that may stand before a stated value: "is a 25% increase", "is about 3.5 hours".
+_HEDGE_LEAD = re.compile(r"(?i)^\s*(?:a|an|the|about|approximately|roughly|around|exactly|only|just|"
+                         r"precisely|equal to)\s+(?=[-\d.])")
 
 
 def _prose_value(rest: str) -> str | None:
@@ -318,6 +343,7 @@ def _prose_value(rest: str) -> str | None:
     it a value (percent, degrees, a.m./p.m.), dropping the nouns after it ("12 such numbers" ->
     "12", "2 1/2 cups" -> "2 1/2", "twenty-five percent" -> "25%"); other text is kept when it is
     short (four words at most: "Evelyn", "the ellipse"), else there is no answer here."""
+    rest = _HEDGE_LEAD.sub("", rest, count=1)
     m = _LEAD_NUMBER.match(rest)
     if m is not None:
         after = rest[m.end():]
@@ -338,6 +364,12 @@ def _prose_value(rest: str) -> str | None:
     return None
 
 
+def _states_more(rest: str) -> bool:
+    """Whether text after a sentence could state a value (a digit, math, a box): closing
+    remarks without one ("I hope this helps!") do not displace the concluding sentence."""
+    return bool(re.search(r"[0-9$\\]", rest))
+
+
 def _numeric(value: str) -> bool:
     return bool(_LEAD_NUMBER.match(value))
 
@@ -354,8 +386,8 @@ def _statement(text: str) -> tuple[int, str] | None:
         return None
     tail = text[m.end():]
     end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", tail))
-    if end is not None and tail[end.end():].strip(" \n\t*.!"):
-        return None  # a later sentence follows: not the concluding statement
+    if end is not None and _states_more(tail[end.end():]):
+        return None  # a later sentence names a value: this is not the concluding statement
     return m.start(), value
 
 
@@ -375,13 +407,52 @@ def _conclusion(text: str) -> tuple[int, str] | None:
         return None
     sentence = masked[m.end():]
     end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", sentence))
-    if end is not None and sentence[end.end():].strip(" \n\t*.!"):
-        return None  # a later sentence follows
+    if end is not None and _states_more(sentence[end.end():]):
+        return None  # a later sentence names a value
     numbers = list(_ANY_NUMBER.finditer(sentence))
     if len(numbers) != 1:
         return None
     value = _prose_value(text[m.end() + numbers[0].start():m.end() + numbers[0].start() + 200])
     return (m.start(), value) if value and _numeric(value) else None
+
+
+_RESTATE = re.compile(r"(?i)\s*(?:so|thus|therefore|hence|consequently|in total|in all|altogether|"
+                      r"overall|finally|actually|wait|but|correction)\b|.*\banswer\b")
+
+
+def _single_number(ans: str) -> bool:
+    """A boxed answer that is one number (`12`, `\\frac{3}{4}`, `2\\sqrt{3}`), the only kind a
+    number restated after it can contradict: after `\\boxed{(1,2),(3,4)}`, "So there are 2
+    pairs" counts the answer instead of restating it."""
+    return bool(re.search(r"\d", ans)) and not re.search(r"[,;=(\[]|\\[{}]|matrix|\\cup|\\pm|[a-zA-Z]\s*$", ans)
+
+
+def _tail(text: str) -> tuple[int, str]:
+    """(offset, text) of the end of `text` in which a concluding sentence is looked for: the last
+    `SEGMENT_MAX_CHARS`, from a line start so that no math span is cut in two. Keeps the prose
+    rules linear in a short window whatever the output's length."""
+    if len(text) <= SEGMENT_MAX_CHARS:
+        return 0, text
+    off = len(text) - SEGMENT_MAX_CHARS
+    nl = text.find("\n", off)
+    off = nl + 1 if 0 <= nl < len(text) - 1 else off
+    return off, text[off:]
+
+
+def _restatement(after: str) -> str | None:
+    """A number restated in the concluding sentence after the last box ("\\boxed{12}. Thus there
+    are 13 such numbers.", "... Actually, it should be 4."). The output then states two final
+    answers, and credit needs both right. Only a sentence that concludes or corrects counts
+    ("so", "thus", "actually", "wait", "the answer ..."): "The other root is 3, which we reject"
+    is commentary."""
+    masked = _mask_math(after)
+    starts = [0] + [m.end() for m in _SENTENCE_END.finditer(re.sub(r"[ap]\.m\.", "pm", masked))
+                    if _states_more(after[m.end():])]
+    sentence = after[starts[-1]:]
+    if not _RESTATE.match(_mask_math(sentence)):
+        return None
+    stated = _statement(sentence) or _conclusion(sentence)
+    return stated[1] if stated and _numeric(stated[1]) else None
 
 
 # ------------------------------------------------------------------------------------ refining
@@ -454,11 +525,16 @@ def _last(pattern: re.Pattern, text: str):
 def _clean(text: str) -> str:
     """The model's own turn: text up to the first chat-template marker that follows some
     content (a marker before any content, such as a leading "<|im_start|>assistant", is
-    dropped)."""
+    dropped), then up to the first few-shot "Question:" that follows an answer."""
     for m in _CHAT_STOP.finditer(text):
         if _CHAT_STOP.sub("", text[:m.start()]).strip():
-            return _CHAT_STOP.sub("", text[:m.start()])
-    return _CHAT_STOP.sub("", text)
+            text = text[:m.start()]
+            break
+    text = _CHAT_STOP.sub("", text)
+    for m in _WEAK_STOP.finditer(text):
+        if _HAS_ANSWER.search(text, 0, m.start()):
+            return text[:m.start()]
+    return text
 
 
 def _final_part(text: str) -> str | None:
@@ -535,8 +611,8 @@ def _extract(text: str) -> Extraction:
             return Extraction(final[1], "final_answer")
         ans = _part_answer(boxes, text) or _join([c for _, _, c in group])
         if ans:
-            stated = _statement(after)
-            others = (stated[1],) if stated and _numeric(stated[1]) else ()
+            stated = _restatement(_tail(after)[1]) if _single_number(ans) else None
+            others = (stated,) if stated else ()
             return Extraction(ans, "boxed", tuple(o for o in others if o != ans))
 
     final = _final_statement(text)
@@ -550,7 +626,10 @@ def _extract(text: str) -> Extraction:
             return Extraction(ans, "answer")
 
     spans = [s for s in math_spans(text) if s[2].strip()]
-    stated = _statement(text) or _conclusion(text)
+    off, tail = _tail(text)
+    stated = _statement(tail) or _conclusion(tail)
+    if stated is not None:
+        stated = (off + stated[0], stated[1])
     if stated is not None and (not spans or (stated[0] > spans[-1][1] and _numeric(stated[1]))):
         return Extraction(stated[1], "is")  # the last sentence states it in words
     if spans:
@@ -559,6 +638,10 @@ def _extract(text: str) -> Extraction:
             return Extraction(ans, "math")
 
     bare = text.strip()
+    words = _number_words(bare)
+    if words is not None and re.fullmatch(r"\s*(?:percent|per cent|degrees?)?[\s.]*",
+                                          bare[words[1]:], re.I):
+        return Extraction(_prose_value(bare), "bare")  # "twenty-five percent"
     if len(bare) <= BARE_MAX_CHARS and "\n\n" not in bare and not _is_prose(bare):
         bare = bare.replace("$", " ").strip().rstrip(".").strip()
         if bare:

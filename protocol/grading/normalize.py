@@ -95,10 +95,10 @@ class Rel(Node):
 
 @dataclass(frozen=True)
 class Clock(Node):
-    """A time of day ``5:30``, ``5:30 p.m.``: `minutes` after midnight (or after 0:00/12:00 when
-    `meridiem` is None and the hour is at most 12)."""
-    minutes: int
-    meridiem: str | None  # "am", "pm" or None
+    """A time of day ``5:30``, ``5:30 p.m.``: `seconds` after midnight (read on a 12-hour dial
+    when `meridiem` is None)."""
+    seconds: int
+    meridiem: str | None  # "am", "pm", "24h" (an hour 0 or 13-24), or None (1-12, either half)
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,10 @@ _FRAC_CMD = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\{[^{}]*\}|[0-9a-zA-Z]|\\[a-zA-Z]+)\s*"
                          r"(\{[^{}]*\}|[0-9a-zA-Z]|\\[a-zA-Z]+)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(?!\s*[\[{])([0-9]+|[a-zA-Z]|\\[a-zA-Z]+)")
-_THOUSANDS_CMD = re.compile(r"(?<=\d)(?:\{,\}|,\\!\s*|(?<!\\)\\[,;:! ]\s*)(?=\d{3}(?!\d))")
+# a digit group separator that LaTeX spells: `{,}`, `\,`, `{\,}`, `\!`, `\ `, `~`, or a mix (`{,}\!`,
+# `,\,`); a plain comma or space alone is left to the whole-answer rule (it may separate items)
+_SEP_CMD = r"(?:\{(?:,|\\[,;:! ])\}|(?<!\\)\\[,;:! ]|~)"
+_THOUSANDS_CMD = re.compile(r"(?<=\d)[,\s]*" + _SEP_CMD + r"(?:" + _SEP_CMD + r"|[,\s])*(?=\d{3}(?!\d))")
 _SPACES = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad(?![a-zA-Z])|~")
 _REL_SPELL = [
     (re.compile(r">=|\\geqslant(?![a-zA-Z])|\\geq(?![a-zA-Z])|\\ge(?![a-zA-Z])"), r"\\geq "),
@@ -373,7 +376,7 @@ def _strip_units(s: str) -> str:
     return s.strip()
 
 
-_CLOCK = re.compile(r"(\d{1,2}):(\d{2})(?::\d{2})?\s*(?:([AaPp])\.?\s?[Mm]\.?)?")
+_CLOCK = re.compile(r"(\d{1,2}):(\d{2})(?::(\d{2}))?\s*(?:([AaPp])\.?\s?[Mm]\.?|(noon|midnight))?")
 _MIXED = re.compile(r"(-?)(\d+)\s+(\d+)\s*/\s*(\d+)")
 
 
@@ -384,13 +387,17 @@ def _clock(s: str) -> Clock | None:
     m = _CLOCK.fullmatch(_unwrap_text(s).strip().rstrip("."))
     if m is None:
         return None
-    h, mins, mer = int(m.group(1)), int(m.group(2)), m.group(3)
-    if mins >= 60 or h > 24 or (mer and not 1 <= h <= 12):
+    h, mins, secs, mer = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0), m.group(4)
+    if m.group(5):  # 12:00 noon is 12:00 p.m.; 12:00 midnight is 12:00 a.m.
+        mer = "p" if m.group(5) == "noon" else "a"
+    if mins >= 60 or secs >= 60 or h > 24 or (mer and not 1 <= h <= 12):
         return None
     if mer:
         mer = mer.lower() + "m"
         h = h % 12 + (12 if mer == "pm" else 0)
-    return Clock(h * 60 + mins, mer)
+    elif h == 0 or h > 12:
+        mer = "24h"  # 17:30 names one time of day; only 1:00-12:59 is ambiguous
+    return Clock((h * 60 + mins) * 60 + secs, mer)
 
 
 def _mixed_number(s: str) -> str:
@@ -433,11 +440,36 @@ _LABEL_TEXT = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?'?(?:\([A-Za-z]\))?")
 MAX_ITEMS = 64
 
 
+_LABEL = r"\(([a-h]|i{1,3}|iv|vi{0,3})\)"
+_PART = re.compile(r"(?:\\text(?:bf)?\{[\s,;]*(?:and\s*)?" + _LABEL + r"[\s:]*\}|(?<![A-Za-z0-9\\_^{])" + _LABEL +
+                   r")\s*:?")
+_PART_SCHEMES = ("abcdefgh", ("i", "ii", "iii", "iv", "v", "vi", "vii", "viii"))
+
+
+def _parts(s: str) -> list[str] | None:
+    """``(a) 3, (b) 4`` / ``\\text{(a) } 3 \\text{ (b) } 4``: the answers of named parts, in
+    order, when the answer opens with the first label and the labels run (a), (b), ... (or
+    (i), (ii), ...). Parts are ordered: swapping them is a different answer."""
+    marks = list(_PART.finditer(s))
+    if len(marks) < 2 or s[:marks[0].start()].strip():
+        return None
+    labels = [m.group(1) or m.group(2) for m in marks]
+    if not any(list(sc[:len(labels)]) == labels for sc in _PART_SCHEMES):
+        return None
+    pieces = [s[m.end():(marks[k + 1].start() if k + 1 < len(marks) else len(s))]
+              for k, m in enumerate(marks)]
+    pieces = [re.sub(r"(?:[,;]|\\text\{\s*(?:and)?\s*\}|\band\b|\s)+$", "", p).strip() for p in pieces]
+    return pieces if all(pieces) else None
+
+
 def parse(s: str) -> Node:
     """The structure of a canonical answer (`canonical(s)` first)."""
     s = s.strip()
     if not s:
         raise NormalizeError("empty answer")
+    parts = _parts(s)
+    if parts is not None:
+        return _seq("tuple", [parse(p) for p in parts])
     text = _as_text(s)
     if text is not None:
         return text

@@ -172,7 +172,7 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
         line += "; " + compare_line(grades, opinions)
         if disagreements is not None:
             write_atomic(disagreements, "".join(differ))
-            line += f" -> {disagreements}"
+            line += f" (written to {disagreements})"
     if out is None:
         # Bytes, not text: a terminal's encoding must not fail on text the JSON escapes carry.
         sys.stdout.buffer.write("".join(lines).encode("utf-8"))

@@ -10,7 +10,8 @@ in the output styles of reasoning models: R1-distill (`<think>` ... `</think>` t
 Qwen/Llama "final answer" lines, markdown "Final Answer" headings, display math, answers
 restated in words, several boxes, chat-template leftovers after the answer, truncated traces.
 A few families that MATH-500 golds do not cover (clock times, percentages in prose, mixed
-numbers, thousands separators) are added from fixed golds.
+numbers, thousands separators) are added from fixed golds, and `handwritten.jsonl` (pairs
+written and labelled by hand, one reviewed label each) is appended as it is.
 
 Each line: `pred`, `gold`, `expected`, `category` (the answer type), `style`, `variant`
 (how the stated answer relates to the gold). The label follows from the construction:
@@ -392,6 +393,9 @@ def build(data: Path) -> list[dict]:
     for category, text, gold, expected, style in PROSE_EXTRA:
         rows.append({"pred": text, "gold": gold, "expected": expected, "category": category,
                      "style": style, "variant": "prose"})
+    # pairs written and labelled by hand (each reviewed), in the same record format
+    hand = HERE / "handwritten.jsonl"
+    rows += [json.loads(line) for line in hand.read_text(encoding="utf-8").splitlines() if line.strip()]
     return rows
 
 
