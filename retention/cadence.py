@@ -44,10 +44,12 @@ def largest_interval(budget: int, accounting: str, floor: int = 1) -> int | None
 
 
 def default_interval(budget: int, accounting: str = "mean", floor: int = 1) -> int:
-    """The reference interval 128, shortened to `min(128, B)` and then to the largest interval the
-    accounting mode allows (`largest_interval`), so the default works at every budget in every mode
-    (at B = 64 in peak accounting N = 64 would leave b = 0)."""
-    return max(1, min(REFERENCE_INTERVAL, budget, largest_interval(budget, accounting, floor) or 1))
+    """The reference interval 128, shortened for small budgets so that about half the budget stays
+    after a compaction: `min(128, B)` in mean and prefill accounting (mean: b = B - N//2 - 1),
+    `min(128, B // 2)` in peak accounting (b = B - N; `min(128, B)` would leave b = 0 at B <= 128).
+    Finally capped by `largest_interval`, so the default works at every budget in every mode."""
+    n = min(REFERENCE_INTERVAL, budget // 2 if accounting == "peak" else budget)
+    return max(1, min(n, largest_interval(budget, accounting, floor) or 1))
 
 
 def nominal_budget(budget: int, interval: int, accounting: str) -> int:

@@ -57,7 +57,8 @@ def test_default_interval_works_in_every_accounting_mode_at_every_budget():
                 if accounting != "prefill":
                     with pytest.raises(RetentionError):
                         Cadence(budget, fits + 1, accounting, sink=floor - 1)
-    assert default_interval(64, "peak") == 63 and default_interval(512, "peak") == 128
+    assert default_interval(64, "peak") == 32 and default_interval(512, "peak") == 128
+    assert default_interval(64, "peak", floor=40) == 24  # capped so that b >= sink + recent + 1
 
 
 def test_impossible_interval_names_the_largest_that_works():
