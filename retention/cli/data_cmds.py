@@ -14,9 +14,9 @@ from pathlib import Path
 import click
 
 from protocol.errors import ProtocolError
+from retention.cli.options import splits_dir_option
 
 _DATA_HELP = "MATH-500 JSONL to use (default: the verified copy shipped in the package)."
-_SPLITS_HELP = "Directory holding the split manifest (default: splits/ at the repository root)."
 
 
 @click.group("splits")
@@ -26,8 +26,7 @@ def splits() -> None:
 
 @splits.command("verify")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
-@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_SPLITS_HELP)
+@splits_dir_option
 def splits_verify(data: Path | None, splits_dir: Path | None) -> None:
     """Recompute the splits from the data and compare with the committed lists and manifest."""
     from protocol.splits import verify_splits
@@ -43,8 +42,7 @@ def splits_verify(data: Path | None, splits_dir: Path | None) -> None:
 @click.option("--split", "name", type=click.Choice(["dev", "confirm"]), required=True,
               help="Which split to list.")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
-@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_SPLITS_HELP)
+@splits_dir_option
 def splits_show(name: str, data: Path | None, splits_dir: Path | None) -> None:
     """Print the problem ids of a split, one per line, after verifying the splits."""
     from protocol.splits import split_ids
