@@ -22,7 +22,7 @@ from retention.errors import RetentionError
               show_default=True, help="Tokens generated per measurement (--new-tokens: old name).")
 @click.option("--problems", type=click.IntRange(min=0, max=201), default=5, show_default=True,
               help="Dev problems for the agreement-with-full measurement (0 = skip).")
-@click.option("--agreement-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--agreement-tokens", type=click.IntRange(min=1, max=1 << 20), default=None,
               help="Tokens per agreement generation (default: --new-tokens).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None, help="Calibration stats for triattention/alpha.")
 @click.option("--lambda", "lam", type=click.FloatRange(min=0, max=1e6), default=None,
@@ -44,7 +44,7 @@ def bench_command(model, scorers, budget, interval, accounting, new_tokens, prob
     from retention.models import load_model
     from retention.scorers import get_scorer_class
 
-    from protocol.io import dumps, ensure_dir, write_atomic
+    from protocol.io import check_writable, dumps, ensure_dir, write_atomic
     from protocol.report import json_safe
     from retention.cadence import ACCOUNTING_MODES
 
@@ -57,8 +57,18 @@ def bench_command(model, scorers, budget, interval, accounting, new_tokens, prob
     bad = [m for m in modes if m not in ACCOUNTING_MODES] or ([] if modes else ["(none)"])
     if bad:
         raise RetentionError(f"--accounting: {', '.join(bad)} is not one of {', '.join(ACCOUNTING_MODES)}")
+    if lam is not None and lam != lam:  # click's FloatRange lets nan through
+        raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
+    from retention.cli.run_cmd import _check_options_apply
+    from retention.policy import cadence_for
+    from retention.scorers import make_scorer
+
+    _check_options_apply(names, {"stats": stats_path, "lam": lam})
+    for n in names:  # every cadence is checked before the model loads
+        for mode in modes:
+            cadence_for(make_scorer(n), budget, interval, mode)
     if out:
-        ensure_dir(Path(out).parent, "output folder")
+        check_writable(Path(out), "--out")
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model(model, dtype=dtype, device=device)
@@ -70,6 +80,7 @@ def bench_command(model, scorers, budget, interval, accounting, new_tokens, prob
     text = dumps(json_safe(figures), indent=2) + "\n"
     click.echo(text, nl=False)
     if out:
+        ensure_dir(Path(out).parent, "output folder")
         write_atomic(Path(out), text)
         click.echo(f"wrote {out}", err=True)
 

@@ -49,13 +49,15 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     from retention.calibration import calibrate, default_stats_path
     from retention.models import load_model, resolve_model
 
-    from protocol.io import ensure_dir, read_text
+    from protocol.io import check_writable, ensure_dir, read_text
+    from retention.models import resolve_device
 
-    resolve_model(model)  # a bad --model fails before the text is read
+    resolve_model(model)  # a bad --model or --device fails before the text is read
+    resolve_device(device)
     target = Path(out) if out else default_stats_path(model)
     if text_path is not None and target.exists() and target.resolve() == Path(text_path).resolve():
         raise RetentionError(f"--out {out} is the --text input; refusing to overwrite it")
-    ensure_dir(target.parent, "statistics folder")
+    check_writable(target, "--out")
     if text_path is not None:
         text = read_text(Path(text_path), "calibration text")
         source = f"file {Path(text_path).name}"
@@ -67,7 +69,9 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     if not ids:
         raise RetentionError("the calibration text is empty")
     stats = calibrate(loaded.model, ids, model_id=loaded.model_id, text_source=source)
-    path = stats.save(target if out else default_stats_path(loaded.name))
+    target = target if out else default_stats_path(loaded.name)
+    ensure_dir(target.parent, "statistics folder")
+    path = stats.save(target)
     click.echo(f"{path}: {len(ids)} tokens, {stats.meta['geometry']['layers']} layers x "
                f"{stats.meta['geometry']['q_heads']} query heads, sha256 {stats.meta['tokens_sha256'][:12]}")
 

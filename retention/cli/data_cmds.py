@@ -108,9 +108,9 @@ def summary_line(grades) -> str:
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="MATH-500 JSONL for records that carry 'problem_id' instead of 'gold' "
                    "(default: the shipped copy).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
+@click.option("--timeout", type=click.FloatRange(min=0, max=3600, min_open=True), default=5.0,
               show_default=True, help="Seconds allowed per answer before it is 'timeout'.")
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1, max=64), default=2, show_default=True,
               help="Grading processes run in parallel.")
 def grade(file: Path, out: Path | None, data: Path | None, timeout: float, workers: int) -> None:
     """Grade the JSONL records of FILE: each needs 'pred' (or 'text') and 'gold' (or 'problem_id').
@@ -120,6 +120,16 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
     from protocol.grading import grade_many
     from protocol.io import dumps, write_atomic
 
+    from protocol.io import check_writable
+
+    if timeout != timeout:  # click's FloatRange lets nan through (every comparison is false)
+        raise click.BadParameter("nan is not a number of seconds", param_hint="'--timeout'")
+    if out is not None:
+        check_writable(out, "--out")
+    if data is not None:
+        from protocol.splits import problems_by_id
+
+        problems_by_id(data)  # a given --data is verified now, used or not
     records = _read_records(file)
     pairs = _pairs(file, records, data)
     grades = grade_many(pairs, timeout=timeout, workers=workers)

@@ -231,7 +231,8 @@ def stats_cmd(file, treatment, baseline, cluster, sample, boot, boot_max, seed, 
 @click.option("--manifest-hash", default=None,
               help="Split manifest sha256 [default: read from the committed splits].")
 @click.option("--code-version", default=None, help="Code version [default: version + git commit].")
-@click.option("--config-schema", type=int, default=None, help="Configuration schema version.")
+@click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
+              help="Configuration schema version.")
 @click.option("--note", default=None, help="Free text stored in the plan.")
 @splits_dir_option
 def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, baseline_set, samples,
@@ -243,9 +244,12 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
 
     from retention.cli.run_cmd import normalize_arm, validate_plan
 
-    manifest = manifest_hash or manifest_sha256(splits_dir)  # verifies the splits against the data
-    if not re.fullmatch(r"[0-9a-f]{64}", manifest):
-        raise click.ClickException(f"--manifest-hash must be 64 lowercase hex digits, got {manifest!r}")
+    if manifest_hash is not None and not re.fullmatch(r"[0-9a-f]{64}", manifest_hash):
+        raise click.ClickException(f"--manifest-hash must be 64 lowercase hex digits, got {manifest_hash!r}")
+    manifest = manifest_sha256(splits_dir)  # verifies the splits against the data
+    if manifest_hash is not None and manifest_hash != manifest:
+        raise click.ClickException(f"--manifest-hash {manifest_hash[:12]} is not the verified split manifest "
+                                   f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
     treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
     baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
     plan = prereg.build_plan(
@@ -308,7 +312,8 @@ def _resolve_runner(spec: str | None):
 @click.option("--manifest-hash", default=None,
               help="Split manifest sha256 [default: read from the committed splits].")
 @click.option("--code-version", default=None, help="Code version [default: version + git commit].")
-@click.option("--config-schema", type=int, default=None, help="Configuration schema version.")
+@click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
+              help="Configuration schema version.")
 @click.option("--runner", "runner_spec", default=None,
               help="Generation runner as MODULE:FUNCTION [default: the runtime's].")
 @splits_dir_option
