@@ -307,8 +307,10 @@ def check_writable(path: Path, what: str = "output") -> Path:
         if parent.exists():
             if not parent.is_dir():
                 raise ProtocolError(f"{what} {path}: {parent} is a file, not a folder")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ProtocolError(f"{what} {path}: cannot write in {parent}")
+            try:  # a probe, removed at once: permissions alone do not tell (/proc, read-only mounts)
+                os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
+            except OSError as exc:
+                raise ProtocolError(f"{what} {path}: cannot write in {parent} ({exc.strerror or exc})") from None
             return path
     return path
 

@@ -169,13 +169,17 @@ def _args(cmd, param, value) -> list[str]:
     return [*cmd, *out, opt, value]
 
 
-@pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    """A working folder with valid inputs under in/ (read-only for the test) and nothing else."""
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A working folder with valid inputs under in/ (never changed by a test) and its registry."""
     from protocol import prereg
     from tests.protocol.test_report import make_run
 
-    d = tmp_path / "w"
+    root = tmp_path_factory.mktemp("matrix")
+    state = root / "state"
+    old = os.environ.get("RETENTION_STATE_DIR")
+    os.environ["RETENTION_STATE_DIR"] = str(state)
+    d = root / "w"
     inp = d / "in"
     inp.mkdir(parents=True)
     (inp / "afile").write_text("x\n")
@@ -193,6 +197,17 @@ def workdir(tmp_path, monkeypatch):
     plan = new_plan(models=["tiny-random"], manifest_hash=manifest_sha256(),
                     treatment={"scorer": "streaming"}, baseline={"scorer": "random"})
     prereg.write_plan(plan, inp / "plan.json")
+    if old is None:
+        del os.environ["RETENTION_STATE_DIR"]
+    else:
+        os.environ["RETENTION_STATE_DIR"] = old
+    return d, state
+
+
+@pytest.fixture
+def workdir(inputs, monkeypatch):
+    d, state = inputs
+    monkeypatch.setenv("RETENTION_STATE_DIR", str(state))
     monkeypatch.chdir(d)
     return d
 

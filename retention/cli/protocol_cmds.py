@@ -367,7 +367,9 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
 def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_dir):
     """Paired statistics, LaTeX/CSV tables, figures and diagnostics for RUN_DIRS."""
     from protocol import report
+    from protocol.io import check_writable_dir
 
+    check_writable_dir(out, "--out")
     rep = report.build_report(run_dirs, baseline=baseline, boot=boot, boot_max=boot_max,
                               seed=seed, alpha=alpha, m=m, confirm_dirs=confirm_dir)
     written = report.write_report(rep, out)

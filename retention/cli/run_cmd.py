@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from protocol.errors import ProtocolError
+from protocol.io import check_writable_dir
 from retention.cli.options import splits_dir_option
 from retention.errors import RetentionError
 
@@ -129,6 +130,7 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options.items()
                                                                      if v is not None}), lenient_params=True)
                  for name in names]
+    check_writable_dir(Path(out), "--out")
     _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device)
     run_dirs = execute(model, dtype, device, arm_specs, split=split, data_path=data_path, limit=limit,
                        samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
