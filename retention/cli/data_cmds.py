@@ -76,6 +76,8 @@ def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> li
             pid = rec.get("problem_id")
             if pid is None:
                 raise ProtocolError(f"{path}:{n}: record has neither 'gold' nor 'problem_id'")
+            if not isinstance(pid, str):
+                raise ProtocolError(f"{path}:{n}: 'problem_id' must be a string, got {type(pid).__name__}")
             if by_id is None:
                 from protocol.splits import problems_by_id
 

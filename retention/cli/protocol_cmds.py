@@ -98,12 +98,19 @@ def _budget(text: str):
 
 
 def _read_csv_columns(path: Path, columns: list[str]) -> dict[str, list[str]]:
-    with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
+    import io as _io
+
+    from protocol.io import read_text
+
+    text = read_text(path, "CSV file")  # strict UTF-8, one clear line otherwise
+    reader = csv.DictReader(_io.StringIO(text, newline=""))
+    try:
         missing = [c for c in columns if c not in (reader.fieldnames or [])]
         if missing:
             raise ProtocolError(f"{path}: no column(s) {missing} (has {reader.fieldnames})")
         rows = list(reader)
+    except csv.Error as exc:  # e.g. a field over the csv module's 128 kB limit
+        raise ProtocolError(f"{path}:{reader.line_num}: unreadable CSV ({exc})") from None
     return {c: [r[c] for r in rows] for c in columns}
 
 

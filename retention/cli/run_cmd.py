@@ -64,6 +64,14 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
         hint = "" if path else f" (the default for {model})"
         raise RetentionError(f"no calibration statistics at {resolved}{hint}; run `retention calibrate "
                              f"--model {model}` first or pass --stats FILE")
+    from retention.calibration import QueryStats
+
+    try:  # read it now: a file that is not statistics fails here, not mid-run
+        QueryStats.load(resolved)
+    except RetentionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise RetentionError(f"{resolved} is not a retention statistics file (safetensors: {exc})") from None
     return str(resolved.resolve()), hashlib.sha256(resolved.read_bytes()).hexdigest()
 
 
