@@ -29,7 +29,7 @@ from retention.errors import RetentionError
               help="alpha/rkv redundancy weight.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", type=click.IntRange(min=1, max=max(1, os.cpu_count() or 1)), default=None,
+@click.option("--threads", type=click.IntRange(min=1, max=1024), default=None,
               help="torch CPU threads, at most the CPU count (default: torch's choice).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Also write the figures to this JSON file (replaced atomically); they always go to stdout.")
@@ -70,6 +70,8 @@ def bench_command(model, scorers, budget, interval, accounting, new_tokens, prob
     if out:
         check_writable(Path(out), "--out")
     if threads:
+        if threads > (os.cpu_count() or 1):  # far more threads than CPUs crashed torch
+            raise RetentionError(f"--threads {threads} is more than the {os.cpu_count()} CPUs of this machine")
         torch.set_num_threads(threads)
     loaded = load_model(model, dtype=dtype, device=device)
     dev = load_split("dev", splits_dir=splits_dir)
