@@ -297,6 +297,37 @@ def exclusive_lock(lock_path: Path, what: str):
         fh.close()
 
 
+def check_writable(path: Path, what: str = "output") -> Path:
+    """Refuse, before any work, an output path that cannot be created: under a file, in a folder
+    that cannot be written, or naming an existing folder. Creates nothing."""
+    path = Path(path)
+    if path.is_dir():
+        raise ProtocolError(f"{what} {path} is a folder, expected a file")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ProtocolError(f"{what} {path}: {parent} is a file, not a folder")
+            try:  # a probe, removed at once: permissions alone do not tell (/proc, read-only mounts)
+                os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=parent))
+            except OSError as exc:
+                raise ProtocolError(f"{what} {path}: cannot write in {parent} ({exc.strerror or exc})") from None
+            return path
+    return path
+
+
+def check_writable_dir(path: Path, what: str = "output folder") -> Path:
+    """Like `check_writable` for a folder to be created (or reused)."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise ProtocolError(f"{what} {path} exists and is not a folder")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ProtocolError(f"{what} {path} is not writable")
+        return path
+    check_writable(path, what)
+    return path
+
+
 def ensure_dir(path: Path, what: str = "output folder") -> Path:
     """Create a folder (and parents) or fail with one line naming the user's path."""
     path = Path(path)

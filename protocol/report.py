@@ -782,14 +782,25 @@ def to_latex(rep: Report) -> str:
 
 
 def write_report(rep: Report, out_dir) -> list[Path]:
-    """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically)."""
+    """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically).
+
+    `report-files.json` lists what was written; files of an earlier report into the same folder
+    that this one does not write (a figure of a cell no longer present) are removed, so the folder
+    never mixes two reports. Files the report did not write are never touched.
+    """
     import pandas as pd
 
-    from protocol.io import dumps, write_atomic
+    from protocol.io import dumps, ensure_dir, write_atomic
     from protocol import report_figures
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_dir(Path(out_dir), "report folder")
+    listing = out_dir / REPORT_LISTING
+    previous = []
+    if listing.exists():
+        try:
+            previous = [str(n) for n in load_json_object(listing, "report listing").get("files", [])]
+        except ProtocolError:
+            previous = []
     written = []
 
     def put(name: str, data: str | bytes) -> None:
@@ -807,7 +818,16 @@ def write_report(rep: Report, out_dir) -> list[Path]:
     put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
     for name, png in report_figures.render_all(rep).items():
         put(name, png)
+    names = {p.name for p in written}
+    for stale in sorted(set(previous) - names):
+        path = out_dir / Path(stale).name  # names only: never a path outside out_dir
+        if path.is_file():
+            path.unlink()
+    write_atomic(listing, dumps({"files": sorted(names)}, indent=1) + "\n")
     return written
+
+
+REPORT_LISTING = "report-files.json"
 
 
 def json_safe(obj):

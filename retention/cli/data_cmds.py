@@ -14,9 +14,9 @@ from pathlib import Path
 import click
 
 from protocol.errors import ProtocolError
+from retention.cli.options import splits_dir_option
 
 _DATA_HELP = "MATH-500 JSONL to use (default: the verified copy shipped in the package)."
-_SPLITS_HELP = "Directory holding the split manifest (default: splits/ at the repository root)."
 
 
 @click.group("splits")
@@ -26,8 +26,7 @@ def splits() -> None:
 
 @splits.command("verify")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
-@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_SPLITS_HELP)
+@splits_dir_option
 def splits_verify(data: Path | None, splits_dir: Path | None) -> None:
     """Recompute the splits from the data and compare with the committed lists and manifest."""
     from protocol.splits import verify_splits
@@ -43,8 +42,7 @@ def splits_verify(data: Path | None, splits_dir: Path | None) -> None:
 @click.option("--split", "name", type=click.Choice(["dev", "confirm"]), required=True,
               help="Which split to list.")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
-@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_SPLITS_HELP)
+@splits_dir_option
 def splits_show(name: str, data: Path | None, splits_dir: Path | None) -> None:
     """Print the problem ids of a split, one per line, after verifying the splits."""
     from protocol.splits import split_ids
@@ -78,6 +76,8 @@ def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> li
             pid = rec.get("problem_id")
             if pid is None:
                 raise ProtocolError(f"{path}:{n}: record has neither 'gold' nor 'problem_id'")
+            if not isinstance(pid, str):
+                raise ProtocolError(f"{path}:{n}: 'problem_id' must be a string, got {type(pid).__name__}")
             if by_id is None:
                 from protocol.splits import problems_by_id
 
@@ -127,9 +127,9 @@ def compare_line(grades, opinions) -> str:
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="MATH-500 JSONL for records that carry 'problem_id' instead of 'gold' "
                    "(default: the shipped copy).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
+@click.option("--timeout", type=click.FloatRange(min=0, max=3600, min_open=True), default=5.0,
               show_default=True, help="Seconds allowed per answer before it is 'timeout'.")
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1, max=64), default=2, show_default=True,
               help="Grading processes run in parallel.")
 @click.option("--compare", type=click.Choice(["math-verify"]), default=None,
               help="Also grade with math-verify (optional extra 'mathverify'), in the same killable "
@@ -146,6 +146,16 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
     from protocol.grading import grade_many
     from protocol.io import dumps, write_atomic
 
+    from protocol.io import check_writable
+
+    if timeout != timeout:  # click's FloatRange lets nan through (every comparison is false)
+        raise click.BadParameter("nan is not a number of seconds", param_hint="'--timeout'")
+    if out is not None:
+        check_writable(out, "--out")
+    if data is not None:
+        from protocol.splits import problems_by_id
+
+        problems_by_id(data)  # a given --data is verified now, used or not
     if disagreements is not None and compare is None:
         raise ProtocolError("--disagreements needs --compare")
     if compare is not None:

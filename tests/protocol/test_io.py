@@ -3,6 +3,7 @@
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,16 @@ def test_ensure_dir_errors_are_one_line(tmp_path):
     for bad in (f, f / "sub"):
         with pytest.raises(ProtocolError, match=str(f)):
             io.ensure_dir(bad)
+
+
+def test_check_writable_probes_without_creating(tmp_path):
+    target = tmp_path / "a" / "b" / "out.json"
+    assert io.check_writable(target) == target
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ProtocolError, match="cannot write in /proc"):
+        io.check_writable(Path("/proc/nonexistent/x"))
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ProtocolError, match="is a file"):
+        io.check_writable(tmp_path / "f" / "x")
+    with pytest.raises(ProtocolError, match="is a folder"):
+        io.check_writable(tmp_path)

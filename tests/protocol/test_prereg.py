@@ -386,9 +386,9 @@ def _cli(args):
 
 
 def _preregister(tmp_path, *extra):
-    return _cli(["preregister", "--out", str(tmp_path), "--model", "qwen-1.5b", "--budget", "256",
-                 "--budget", "512", "--treatment", '{"scorer": "alpha", "accounting": "mean"}',
-                 "--treatment-set", "scorer_params.lam=0.5", "--baseline-set", "scorer=triattention",
+    return _cli(["preregister", "--out", str(tmp_path), "--model", "tiny-random", "--budget", "256",
+                 "--budget", "512", "--treatment", '{"scorer": "rkv", "accounting": "mean"}',
+                 "--treatment-set", "scorer_params.lambda=0.5", "--baseline-set", "scorer=streaming",
                  "-k", "2", "--max-new-tokens", "4096", "--boot", "2000", "--boot-max", "2000",
                  "--manifest-hash", MANIFEST, "--code-version", "0.1.0+gtest", *extra])
 
@@ -399,9 +399,10 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     plans = list(tmp_path.glob("plan-*.json"))
     assert len(plans) == 1 and "registered" in res.output
     plan, h = prereg.load_plan(plans[0])
-    assert plan["treatment"] == {"scorer": "alpha", "accounting": "mean", "scorer_params": {"lam": 0.5}}
-    assert plan["baseline"] == {"scorer": "triattention"}
-    assert plan == new_plan(treatment=plan["treatment"], baseline=plan["baseline"])
+    # `scorer_params.lambda` (the --help example) is stored under the parameter's field name
+    assert plan["treatment"] == {"scorer": "rkv", "accounting": "mean", "scorer_params": {"lam": 0.5}}
+    assert plan["baseline"] == {"scorer": "streaming"}
+    assert plan == new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"])
     res = _preregister(tmp_path)
     assert res.exit_code == 0 and "already registered" in res.output
 
@@ -414,13 +415,13 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     monkeypatch.delattr(run_cmd, "confirm_runner", raising=False)
     res = _cli(base)
     assert res.exit_code != 0 and "no generation runner" in res.output
-    res = _cli(base + ["--runner", "tests.protocol.test_prereg:cli_runner", "--cell", "qwen-1.5b@b256"])
+    res = _cli(base + ["--runner", "tests.protocol.test_prereg:cli_runner", "--cell", "tiny-random@b256"])
     assert res.exit_code == 0, res.output
     assert "confirmed" in res.output
     monkeypatch.setattr(prereg, "DEFAULT_RUNNER", FakeRunner())
     res = _cli(base)
     assert res.exit_code == 0, res.output
-    assert "already confirmed, not rerun: qwen-1.5b@b256" in res.output
+    assert "already confirmed, not rerun: tiny-random@b256" in res.output
     res = _cli(base)
     assert res.exit_code != 0 and res.output.startswith("Error:") and "already confirmed" in res.output
     assert len(res.output.strip().splitlines()) == 1
