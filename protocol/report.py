@@ -333,9 +333,11 @@ class Report:
     provenance: dict    # plan hashes, ledger, deviations
     notes: list
     settings: dict
+    fidelity: list = field(default_factory=list)  # exploratory paired test on the fidelity proxy
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "comparisons": self.comparisons, "arms": self.arms,
+                "fidelity_exploratory": self.fidelity,
                 "diagnostics": {"accounting": self.accounting, "subsets": self.subsets,
                                 "proxy": self.proxy, "proxy_correlation": self.proxy_corr},
                 "provenance": self.provenance, "notes": self.notes}
@@ -534,9 +536,12 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int = stats.BOO
                     "budget": run.budget, **agg}
     settings = {"boot": boot, "boot_max": boot_max, "seed": seed, "alpha": alpha, "m": m,
                 "subset_boot": min(boot, subset_boot), "baseline": pairs[0][1].label}
+    from protocol.report_fidelity import fidelity_comparisons
+
     return Report(comparisons=rows, arms=arms, accounting=accounting_effects(rows),
                   subsets=subsets, proxy=proxy, proxy_corr=corr, traces=traces,
-                  provenance=prov, notes=notes, settings=settings)
+                  provenance=prov, notes=notes, settings=settings,
+                  fidelity=fidelity_comparisons(pairs, boot=min(boot, subset_boot), seed=seed))
 
 
 def _short_verdict(res: stats.PairedResult) -> str:
@@ -651,6 +656,9 @@ def terminal_summary(rep: Report) -> str:
         else:
             out.append(f"proxy {c['proxy']}: correlation with accuracy undefined over {c['n_configs']} "
                        "configurations (accuracy or proxy constant)")
+    from protocol.report_fidelity import summary_lines
+
+    out += summary_lines(rep.fidelity)
     prov = rep.provenance
     if prov["plan_hashes"]:
         out.append(f"plan: {', '.join(h[:12] for h in prov['plan_hashes'])}; "
@@ -814,6 +822,8 @@ def write_report(rep: Report, out_dir) -> list[Path]:
         put("diag_accounting.csv", pd.DataFrame(rep.accounting).to_csv(index=False))
     if rep.proxy:
         put("diag_proxy.csv", pd.DataFrame(rep.proxy).to_csv(index=False))
+    if rep.fidelity:
+        put("fidelity_exploratory.csv", pd.DataFrame(rep.fidelity).to_csv(index=False))
     put("report.tex", to_latex(rep))
     put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
     for name, png in report_figures.render_all(rep).items():

@@ -187,6 +187,179 @@ def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens
     return prompt_length + max_new_tokens
 
 
+class Engine:
+    """The batched decode loop as an object: `fill()` starts up to `batch_size` requests, each `step()`
+    decodes one token in every busy slot (refilling finished ones), `done` when nothing is left.
+    `run_engine` drives it to the end; a benchmark can interleave several engines step by step.
+    The caller holds `torch.inference_mode()`; `step()` enters the scorer's `attach` context around
+    its own work only when `attach_per_step` (lockstep with other engines on the same model)."""
+
+    def __init__(self, model, requests: Sequence[Request], policy: RetentionPolicy, sampling: SamplingConfig,
+                 eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
+                 keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
+                 on_token: Callable[[int, BudgetMeter], None] | None = None):
+        self.model, self.policy, self.sampling, self.eos = model, policy, sampling, set(eos_token_ids)
+        self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
+        self.on_finish, self.on_token = on_finish, on_token
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache_kw = cache_kwarg(model)
+        self.L = model.config.get_text_config().num_hidden_layers
+        self.queue = list(requests)[::-1]  # pop() from the end = first request first
+        self.S = max(1, min(batch_size, len(self.queue)))
+        self.stats = EngineStats(busy=self.S)
+        self.rows: list[_Slot] = []
+        self.cache: RetentionCache | None = None
+        self.ref: RetentionCache | None = None
+        self.gens: list[torch.Generator | None] = [None] * self.S  # one per slot, reseeded per request
+        if hasattr(policy.scorer, "reset"):
+            policy.scorer.reset()
+
+    @property
+    def done(self) -> bool:
+        return not self.rows and not self.queue
+
+    def _start(self, slot: int):
+        """Prefill the next request alone; returns its state, logits `[1, V]` and its caches."""
+        req = self.queue.pop()
+        dev, sampling, policy = self.device, self.sampling, self.policy
+        t0 = _now(dev)
+        P = len(req.prompt_ids)
+        policy.scorer.reset_slot(slot, req.seed)
+        if sampling.temperature > 0:
+            self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
+        st = _Slot(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget), self.gens[slot],
+                   Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None)
+        tmp = RetentionCache(self.L, capacity=P)
+        tmp.slots, tmp.prompt_lengths = [slot], [P]
+        ids = torch.tensor([req.prompt_ids], device=dev)
+        pos = torch.arange(P, device=dev)[None]
+        lg = forward_step(self.model, ids, pos, tmp, self.cache_kw)
+        st.meter.record_prefill(tmp.stored_lengths())
+        tmp_ref = None
+        if self.fidelity:
+            tmp_ref = RetentionCache(self.L, capacity=P + sampling.max_new_tokens)
+            tmp_ref.slots, tmp_ref.prompt_lengths = [slot], [P]
+            st.fid.add(forward_step(self.model, ids, pos, tmp_ref, self.cache_kw)[0], lg[0])
+        t_c = _now(dev)
+        self.stats.prefill_seconds += t_c - t0
+        if policy.after_forward(tmp, P, st.meter, prefill=True):
+            dt = _now(dev) - t_c
+            st.compact_s.append(dt)
+            self.stats.compaction_seconds += dt
+        return st, lg, tmp, tmp_ref
+
+    def _take(self, st: _Slot, tok: int, row_logits: torch.Tensor) -> bool:
+        """Append a sampled token; True when the sequence is finished."""
+        if st.logits is not None:
+            st.logits.append(row_logits.clone())
+        st.out.append(tok)
+        self.stats.tokens += 1
+        if self.on_token is not None:
+            self.on_token(len(st.out), st.meter)
+        if tok in self.eos and not self.sampling.ignore_eos:
+            st.finish = "eos"
+        elif len(st.out) >= self.sampling.max_new_tokens:
+            st.finish = "length"
+        return st.finish is not None
+
+    def _finish(self, st: _Slot) -> None:
+        g = Generation(st.out, st.finish, st.meter, _now(self.device) - st.t0, st.fid, st.decode_s, st.compact_s,
+                       st.logits)
+        self.stats.finished += 1
+        if self.on_finish is not None:
+            self.on_finish(st.req, g)
+
+    def _admit(self, slot: int):
+        """Start requests on `slot` until one survives its first token (or the queue is empty)."""
+        while self.queue:
+            st, lg, tmp, tmp_ref = self._start(slot)
+            tok = sample_rows(lg, self.sampling, [self.gens[slot]])[0]
+            if self._take(st, tok, lg[0]):
+                self._finish(st)
+                continue
+            return st, tmp, tmp_ref
+        return None
+
+    def fill(self) -> None:
+        """Start the first `batch_size` requests and build the batch caches (`b + N` per row for an
+        evicting policy; prompt + new tokens for `full`, grown by doubling for a longer prompt)."""
+        started = []
+        for slot in range(self.S):
+            got = self._admit(slot)
+            if got is None:
+                break
+            started.append(got)
+        if not started:
+            return
+        new = self.sampling.max_new_tokens
+        caps = [default_capacity(self.policy, len(st.req.prompt_ids), new) for st, _, _ in started]
+        self.cache = RetentionCache.empty_like(started[0][1], len(started), max(caps))
+        if self.fidelity:
+            longest = max(len(st.req.prompt_ids) for st, _, _ in started)
+            self.ref = RetentionCache.empty_like(started[0][2], len(started), longest + new)
+        for r, (st, tmp, tmp_ref) in enumerate(started):
+            self.cache.load_row(r, tmp)
+            if self.ref is not None:
+                self.ref.load_row(r, tmp_ref)
+            self.rows.append(st)
+
+    def step(self) -> None:
+        """One decode step of every busy slot, then compaction of the due rows, sampling, EOS checks,
+        records of finished sequences and refills."""
+        rows, cache, ref, dev, stats = self.rows, self.cache, self.ref, self.device, self.stats
+        if not rows:
+            return
+        stats.busy = R = len(rows)
+        ids = torch.tensor([[st.out[-1]] for st in rows], device=dev)
+        pos = torch.tensor([[len(st.req.prompt_ids) + len(st.out) - 1] for st in rows], device=dev)
+        t_step = _now(dev)
+        logits = forward_step(self.model, ids, pos, cache, self.cache_kw, cache.attention_mask(1, self.dtype))
+        dt = _now(dev) - t_step
+        stats.decode_seconds += dt
+        stats.steps += 1
+        for r, st in enumerate(rows):
+            st.decode_s.append(dt)
+            st.meter.record([cache.lengths[r]])
+        if ref is not None:
+            ref_logits = forward_step(self.model, ids, pos, ref, self.cache_kw, ref.attention_mask(1, self.dtype))
+            kl, agree = step_agreement(ref_logits, logits)
+            for r, st in enumerate(rows):
+                st.fid.kl.append(kl[r])
+                st.fid.top1_agree.append(agree[r])
+        t_c = _now(dev)
+        nxt = [len(st.req.prompt_ids) + len(st.out) for st in rows]
+        if self.policy.after_forward(cache, nxt[0] if R == 1 else nxt,
+                                     rows[0].meter if R == 1 else [st.meter for st in rows], prefill=False):
+            dt = _now(dev) - t_c
+            stats.compaction_seconds += dt
+            for st in rows:
+                st.compact_s.append(dt)
+        toks = sample_rows(logits, self.sampling, [self.gens[cache.slots[r]] for r in range(R)])
+        keep_rows = []
+        for r, st in enumerate(rows):
+            if not self._take(st, toks[r], logits[r]):
+                keep_rows.append(r)
+                continue
+            self._finish(st)
+            got = self._admit(cache.slots[r])
+            if got is None:
+                continue
+            st2, tmp, tmp_ref = got
+            cache.load_row(r, tmp)
+            if ref is not None:
+                ref.load_row(r, tmp_ref)
+            rows[r] = st2
+            keep_rows.append(r)
+        if len(keep_rows) < R:  # the queue is empty: drop the finished rows from the batch
+            self.rows = [rows[r] for r in keep_rows]
+            if self.rows:
+                cache.select_rows(keep_rows)
+                if ref is not None:
+                    ref.select_rows(keep_rows)
+        stats.allocated_bytes = max(stats.allocated_bytes, cache.allocated_bytes())
+
+
 def run_engine(model, requests: Sequence[Request], policy: RetentionPolicy, sampling: SamplingConfig,
                eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
@@ -195,151 +368,15 @@ def run_engine(model, requests: Sequence[Request], policy: RetentionPolicy, samp
     """Decode every request under `policy`, `batch_size` slots at a time (see module doc).
 
     on_finish(request, generation): called as each sequence ends, in finishing order.
-    on_token(n_generated, meter): called after each token of a sequence (single-slot runs).
+    on_token(n_generated, meter): called after each token of a sequence.
     on_step(stats): called after every batched decode step.
     """
-    device = next(model.parameters()).device
-    cache_kw = cache_kwarg(model)
-    L = model.config.get_text_config().num_hidden_layers
-    queue = list(requests)[::-1]  # pop() from the end = first request first
-    S = max(1, min(batch_size, len(queue)))
-    stats = EngineStats(busy=S)
-    rows: list[_Slot] = []
-    cache: RetentionCache | None = None
-    ref: RetentionCache | None = None
-    dtype = next(model.parameters()).dtype
-    gens: list[torch.Generator | None] = [None] * S  # one generator per slot, reseeded per request
-
-    def start(slot: int) -> tuple[_Slot, torch.Tensor, RetentionCache, RetentionCache | None]:
-        """Prefill the next request alone; returns its state, logits `[1, V]` and its caches."""
-        req = queue.pop()
-        t0 = _now(device)
-        P = len(req.prompt_ids)
-        policy.scorer.reset_slot(slot, req.seed)
-        if sampling.temperature > 0:
-            gens[slot] = torch.Generator(device=device).manual_seed(req.seed)
-        st = _Slot(req, BudgetMeter(kib_per_token=kib_per_token, budget=policy.cadence.budget), gens[slot],
-                   Fidelity() if fidelity else None, t0, logits=[] if keep_logits else None)
-        tmp = RetentionCache(L, capacity=P)
-        tmp.slots, tmp.prompt_lengths = [slot], [P]
-        ids = torch.tensor([req.prompt_ids], device=device)
-        pos = torch.arange(P, device=device)[None]
-        lg = forward_step(model, ids, pos, tmp, cache_kw)
-        st.meter.record_prefill(tmp.stored_lengths())
-        tmp_ref = None
-        if fidelity:
-            tmp_ref = RetentionCache(L, capacity=P + sampling.max_new_tokens)
-            tmp_ref.slots, tmp_ref.prompt_lengths = [slot], [P]
-            st.fid.add(forward_step(model, ids, pos, tmp_ref, cache_kw)[0], lg[0])
-        t_c = _now(device)
-        stats.prefill_seconds += t_c - t0
-        if policy.after_forward(tmp, P, st.meter, prefill=True):
-            dt = _now(device) - t_c
-            st.compact_s.append(dt)
-            stats.compaction_seconds += dt
-        return st, lg, tmp, tmp_ref
-
-    def take_token(st: _Slot, tok: int, row_logits: torch.Tensor) -> bool:
-        """Append a sampled token; True when the sequence is finished."""
-        if st.logits is not None:
-            st.logits.append(row_logits.clone())
-        st.out.append(tok)
-        stats.tokens += 1
-        if on_token is not None:
-            on_token(len(st.out), st.meter)
-        if tok in eos_token_ids and not sampling.ignore_eos:
-            st.finish = "eos"
-        elif len(st.out) >= sampling.max_new_tokens:
-            st.finish = "length"
-        return st.finish is not None
-
-    def finish(st: _Slot) -> None:
-        g = Generation(st.out, st.finish, st.meter, _now(device) - st.t0, st.fid, st.decode_s, st.compact_s,
-                       st.logits)
-        stats.finished += 1
-        if on_finish is not None:
-            on_finish(st.req, g)
-
-    def admit(slot: int) -> tuple[_Slot, torch.Tensor, RetentionCache, RetentionCache | None] | None:
-        """Start requests on `slot` until one survives its first token (or the queue is empty)."""
-        while queue:
-            st, lg, tmp, tmp_ref = start(slot)
-            tok = sample_rows(lg, sampling, [gens[slot]])[0]
-            if take_token(st, tok, lg[0]):
-                finish(st)
-                continue
-            return st, lg, tmp, tmp_ref
-        return None
-
+    eng = Engine(model, requests, policy, sampling, eos_token_ids, kib_per_token, batch_size=batch_size,
+                 fidelity=fidelity, keep_logits=keep_logits, on_finish=on_finish, on_token=on_token)
     with torch.inference_mode(), policy.attach(model):
-        # Fill the slots.
-        started = []
-        for slot in range(S):
-            got = admit(slot)
-            if got is None:
-                break
-            started.append(got)
-        if started:
-            caps = [default_capacity(policy, len(st.req.prompt_ids), sampling.max_new_tokens) for st, *_ in started]
-            cache = RetentionCache.empty_like(started[0][2], len(started), max(caps))
-            if fidelity:
-                ref = RetentionCache.empty_like(started[0][3], len(started),
-                                                max(len(st.req.prompt_ids) for st, *_ in started) + sampling.max_new_tokens)
-            for r, (st, lg, tmp, tmp_ref) in enumerate(started):
-                cache.load_row(r, tmp)
-                if ref is not None:
-                    ref.load_row(r, tmp_ref)
-                rows.append(st)
-        while rows:
-            stats.busy = len(rows)
-            R = len(rows)
-            ids = torch.tensor([[st.out[-1]] for st in rows], device=device)
-            pos = torch.tensor([[len(st.req.prompt_ids) + len(st.out) - 1] for st in rows], device=device)
-            t_step = _now(device)
-            logits = forward_step(model, ids, pos, cache, cache_kw, cache.attention_mask(1, dtype))
-            dt = _now(device) - t_step
-            stats.decode_seconds += dt
-            stats.steps += 1
-            for r, st in enumerate(rows):
-                st.decode_s.append(dt)
-                st.meter.record([cache.lengths[r]])
-            if ref is not None:
-                ref_logits = forward_step(model, ids, pos, ref, cache_kw, ref.attention_mask(1, dtype))
-                kl, agree = step_agreement(ref_logits, logits)
-                for r, st in enumerate(rows):
-                    st.fid.kl.append(kl[r])
-                    st.fid.top1_agree.append(agree[r])
-            t_c = _now(device)
-            nxt = [len(st.req.prompt_ids) + len(st.out) for st in rows]
-            if policy.after_forward(cache, nxt[0] if R == 1 else nxt, rows[0].meter if R == 1 else [st.meter for st in rows],
-                                    prefill=False):
-                dt = _now(device) - t_c
-                stats.compaction_seconds += dt
-                for st in rows:
-                    st.compact_s.append(dt)
-            toks = sample_rows(logits, sampling, [gens[cache.slots[r]] for r in range(R)])
-            keep_rows = []
-            for r, st in enumerate(rows):
-                if not take_token(st, toks[r], logits[r]):
-                    keep_rows.append(r)
-                    continue
-                finish(st)
-                got = admit(cache.slots[r])
-                if got is None:
-                    continue
-                st2, lg, tmp, tmp_ref = got
-                cache.load_row(r, tmp)
-                if ref is not None:
-                    ref.load_row(r, tmp_ref)
-                rows[r] = st2
-                keep_rows.append(r)
-            if len(keep_rows) < R:  # the queue is empty: drop the finished rows from the batch
-                rows = [rows[r] for r in keep_rows]
-                if rows:
-                    cache.select_rows(keep_rows)
-                    if ref is not None:
-                        ref.select_rows(keep_rows)
-            stats.allocated_bytes = max(stats.allocated_bytes, cache.allocated_bytes())
+        eng.fill()
+        while eng.rows:
+            eng.step()
             if on_step is not None:
-                on_step(stats)
-    return stats
+                on_step(eng.stats)
+    return eng.stats

@@ -89,7 +89,8 @@ class WindowScorer(Scorer):
     """A scorer that reads the queries the model computes (`retention.capture`) and protects its
     `window` newest tokens (counted inside `b` by the cadence through `min_recent`).
 
-    While attached, `self._recorder` holds the query recorder; `reset()` clears per-generation state.
+    While attached, `self._recorder` holds the query recorder; `reset()` (called by the engine when a run
+    starts) clears per-run state; `reset_slot` that of one slot.
     """
 
     per_layer: ClassVar[bool] = True
@@ -113,7 +114,6 @@ class WindowScorer(Scorer):
     def _attached(self, model):
         from retention.capture import capture_queries
 
-        self.reset()
         with capture_queries(model) as rec:
             self._recorder = rec
             try:

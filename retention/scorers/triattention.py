@@ -160,7 +160,8 @@ class TriAttention(Scorer):
 
     @contextlib.contextmanager
     def _attached(self, model):
-        self.bind(load_stats(self.stats, model), rotary_inv_freq(model))
+        if self._stats is None:  # loaded once per scorer (benchmarks attach around every step)
+            self.bind(load_stats(self.stats, model), rotary_inv_freq(model))
         yield self
 
     def attach(self, model):
