@@ -18,7 +18,7 @@ from protocol.errors import ProtocolError
 from retention import __version__
 from retention.errors import RetentionError
 
-_MODULES = ("run_cmd", "calibrate_cmd", "data_cmds", "protocol_cmds", "bench_cmd", "merge_cmd")
+_MODULES = ("run_cmd", "calibrate_cmd", "data_cmds", "protocol_cmds", "bench_cmd", "merge_cmd", "agree_cmd")
 
 
 class _Group(click.Group):

@@ -114,10 +114,12 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--cpus-per-shard", type=float, default=1.0, show_default=True, help="With --ray: CPUs per shard.")
 @click.option("--retries", type=int, default=3, show_default=True,
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
+@click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
+              help="hf: this project's engine (every scorer); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, lam, radius, window, routing,
                 stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p, seed, ignore_eos,
                 fidelity, no_grade, dtype, device, out, quiet, shard_text, ray_address, shards, gpus_per_shard,
-                cpus_per_shard, retries):
+                cpus_per_shard, retries, engine):
     """Generate on the dev split under retention policies and write resumable run directories.
 
     Rerunning the same command resumes: finished records are skipped.
@@ -144,7 +146,7 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-               out=Path(out))
+               out=Path(out), engine=engine)
     if ray_address is not None or shards is not None:
         from retention.launch_ray import launch_from_cli
 
@@ -158,10 +160,11 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
 
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
-            out: Path, progress=True, problems=None, extra_config=None, shard=None):
+            out: Path, progress=True, problems=None, extra_config=None, shard=None, engine="hf"):
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
-    shard: a `retention.shard.Shard` to generate only its pairs (None: all)."""
+    shard: a `retention.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
+    project's) or an external engine of `retention.engines` (non-evicting arms only)."""
     from protocol.splits import load_split
     from retention.merge import open_shard_run
     from retention.models import load_model
@@ -171,6 +174,12 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         problems = load_split(split, data_path=data_path)
         if limit:
             problems = problems[:limit]
+    if engine != "hf":
+        from retention.engines.run import execute_with_engine
+
+        return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
+                                   sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
+                                   extra_config=extra_config, shard=shard)
     loaded = load_model(model, dtype=dtype, device=device)
     arms = []
     for name, config, params, cadence in arm_specs:
