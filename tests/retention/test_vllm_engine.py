@@ -70,10 +70,11 @@ class ReplayEngine:
             yield Completion(r, g.token_ids, g.finish_reason, g.wall_seconds)
 
 
-@pytest.mark.parametrize("temperature", ["0", "0.8"])
-def test_engine_records_equal_this_projects_engine(tiny_folder, tmp_path, monkeypatch, temperature):
+def test_engine_records_equal_this_projects_engine(tiny_folder, tmp_path, monkeypatch):
+    """Sampled (temperature 0.8), so that every record depends on its own seed."""
     monkeypatch.setitem(engines.ENGINES, "vllm", f"{__name__}:ReplayEngine")
-    args = [*ARGS, "--model", tiny_folder, "--temperature", temperature]
+    temperature = "0.8"
+    args = [*ARGS, "--model", tiny_folder, "--temperature", temperature, "--limit", "2"]
     assert _cli(*args, "--out", tmp_path / "hf").exit_code == 0
     res = _cli(*args, "--engine", "vllm", "--out", tmp_path / "ext")
     assert res.exit_code == 0, res.output
@@ -93,10 +94,10 @@ def test_engine_records_equal_this_projects_engine(tiny_folder, tmp_path, monkey
     # resume: nothing left to generate, nothing duplicated
     n_calls = len(ReplayEngine.calls)
     assert _cli(*args, "--engine", "vllm", "--out", tmp_path / "ext").exit_code == 0
-    assert len(ReplayEngine.calls) == n_calls and len(_records(ext)) == 6
+    assert len(ReplayEngine.calls) == n_calls and len(_records(ext)) == 4
     # the agreement of an engine with itself: every pair identical
     res = _cli("agree", hf, ext)
-    assert res.exit_code == 0 and "hf vs replay: 6/6 identical" in res.output, res.output
+    assert res.exit_code == 0 and "hf vs replay: 4/4 identical" in res.output, res.output
 
 
 @pytest.mark.parametrize("extra,needle", [
