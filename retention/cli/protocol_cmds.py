@@ -302,12 +302,24 @@ def _resolve_runner(spec: str | None):
 @click.option("--config-schema", type=int, default=None, help="Configuration schema version.")
 @click.option("--runner", "runner_spec", default=None,
               help="Generation runner as MODULE:FUNCTION [default: the runtime's].")
+@click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
+              help="Only generate shard I of N of the cells' pairs (no ledger entry); a final run without "
+                   "--shard merges the shards and confirms. auto: from Slurm or RANK/WORLD_SIZE.")
 def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
-                config_schema, runner_spec):
+                config_schema, runner_spec, shard_text):
     """Run a registered plan's cells on the confirm split and record them in the ledger."""
     from protocol import prereg
 
     plan, h = prereg.load_plan(plan_path)
+    if shard_text is not None:
+        from retention.confirm_shard import generate_confirm_shard
+        from retention.shard import parse_shard
+
+        generate_confirm_shard(plan_path, out or Path("results") / "confirm" / f"plan-{h[:12]}",
+                               parse_shard(shard_text), cells=list(cells) or None,
+                               overrides=_key_values(overrides, "--override") or None, reason=reason,
+                               manifest_hash=manifest_hash, log=click.echo)
+        return
     runner = _resolve_runner(runner_spec)
     out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
     entries = prereg.confirm(

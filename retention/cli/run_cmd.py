@@ -230,11 +230,12 @@ def validate_arm_config(name: str, cfg: dict) -> None:
                              f"it takes {sorted(f for f in fields if not f.startswith('_'))}")
 
 
-def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path) -> Path:
+def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, shard=None) -> Path:
     """The generation runner of `retention confirm` (contract in `protocol.prereg`).
 
     Runs one arm of one registered cell on the confirm split through the same code as
-    `retention run`, resuming an interrupted run; returns its run directory.
+    `retention run`, resuming an interrupted run; returns its run directory. shard: only that
+    shard's pairs (`retention confirm --shard`); without it, complete shards are merged first.
     """
     from protocol.splits import load_split
 
@@ -262,7 +263,7 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path) -> Pat
     dirs = execute(base["model"], base["dtype"], base["device"], [spec], split="confirm", data_path=base["data"],
                    limit=base["limit"], samples=base["samples"], seed=base["seed"], sampling=sampling,
                    fidelity=base["fidelity"], grade=True, out=Path(out_dir), progress=True, problems=problems,
-                   extra_config=extra)
+                   extra_config=extra, shard=shard)
     return dirs[0]
 
 
