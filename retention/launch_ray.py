@@ -163,6 +163,8 @@ def launch_from_cli(job: dict, *, address: str | None, shards: int | None, gpus_
         raise RetentionError("--shard and --ray exclude each other: the launcher assigns the shards")
     if address is None:
         raise RetentionError("--shards needs --ray [ADDRESS] (or run one process per --shard I/N)")
+    if not address.strip():
+        raise RetentionError("--ray: the address is empty; give none for a local cluster, or auto, or HOST:PORT")
     if shards is None:
         raise RetentionError("--ray needs --shards N")
     if gpus_per_shard is None:

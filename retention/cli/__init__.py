@@ -33,6 +33,7 @@ _MODULES = (
     "conformance_cmd",
     "audit_cmd",
     "merge_cmd",
+    "agree_cmd",
 )
 DEBUG_ENV = "RETENTION_DEBUG"
 

@@ -324,8 +324,11 @@ def _resolve_runner(spec: str | None):
 @click.option("--runner", "runner_spec", default=None,
               help="Generation runner as MODULE:FUNCTION [default: the runtime's].")
 @splits_dir_option
+@click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
+              help="Only generate shard I of N of the cells' pairs (no ledger entry); a final run without "
+                   "--shard merges the shards and confirms. auto: from Slurm or RANK/WORLD_SIZE.")
 def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
-                config_schema, runner_spec, splits_dir):
+                config_schema, runner_spec, splits_dir, shard_text):
     """Run a registered plan's cells on the confirm split and record them in the ledger."""
     from protocol import prereg
 
@@ -334,6 +337,15 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     from retention.cli import run_cmd
 
     plan, h = prereg.load_plan(plan_path)
+    if shard_text is not None:
+        from retention.confirm_shard import generate_confirm_shard
+        from retention.shard import parse_shard
+
+        generate_confirm_shard(plan_path, out or Path("results") / "confirm" / f"plan-{h[:12]}",
+                               parse_shard(shard_text), cells=list(cells) or None,
+                               overrides=_key_values(overrides, "--override") or None, reason=reason,
+                               manifest_hash=manifest_hash, log=click.echo)
+        return
     runner = _resolve_runner(runner_spec)
     if runner is getattr(run_cmd, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)

@@ -134,10 +134,12 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--cpus-per-shard", type=float, default=1.0, show_default=True, help="With --ray: CPUs per shard.")
 @click.option("--retries", type=int, default=3, show_default=True,
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
+@click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
+              help="hf: this project's engine (every scorer); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, routing, stats_path, split, data_path, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
                 seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
-                shards, gpus_per_shard, cpus_per_shard, retries):
+                shards, gpus_per_shard, cpus_per_shard, retries, engine):
     """Generate on the dev split under retention policies and write resumable run directories.
 
     Rerunning the same command resumes: finished records are skipped.
@@ -171,7 +173,7 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device)
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-               out=Path(out), batch_size=batch_size, splits_dir=splits_dir)
+               out=Path(out), batch_size=batch_size, splits_dir=splits_dir, engine=engine)
     if ray_address is not None or shards is not None:
         from retention.launch_ray import launch_from_cli
 
@@ -186,10 +188,11 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
             out: Path, progress=True, problems=None, extra_config=None, shard=None, batch_size=None,
-            splits_dir=None):
+            splits_dir=None, engine="hf"):
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
-    shard: a `retention.shard.Shard` to generate only its pairs (None: all).
+    shard: a `retention.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
+    project's) or an external engine of `retention.engines` (non-evicting arms only).
     batch_size: sequences decoded together; None chooses one for the device and budget (printed).
     It is not part of the configuration hash: records do not depend on it (batch invariance), so a
     run resumes at any batch size; each record notes the batch size it was decoded in."""
@@ -202,6 +205,12 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         problems = load_split(split, data_path=data_path, splits_dir=splits_dir)
         if limit:
             problems = problems[:limit]
+    if engine != "hf":
+        from retention.engines.run import execute_with_engine
+
+        return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
+                                   sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
+                                   extra_config=extra_config, shard=shard)
     loaded = load_model(model, dtype=dtype, device=device)
     arms = []
     for name, config, params, cadence in arm_specs:
@@ -375,11 +384,12 @@ def validate_plan(plan: dict) -> None:
                 raise RetentionError(f"{arm} of cell {cell['id']}: {exc}") from None
 
 
-def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, splits_dir=None) -> Path:
+def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, splits_dir=None, shard=None) -> Path:
     """The generation runner of `retention confirm` (contract in `protocol.prereg`).
 
     Runs one arm of one registered cell on the confirm split through the same code as
-    `retention run`, resuming an interrupted run; returns its run directory.
+    `retention run`, resuming an interrupted run; returns its run directory. shard: only that
+    shard's pairs (`retention confirm --shard`); without it, complete shards are merged first.
     """
     from protocol.splits import load_split
 
@@ -411,7 +421,7 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
     dirs = execute(base["model"], base["dtype"], base["device"], [spec], split="confirm", data_path=base["data"],
                    limit=base["limit"], samples=base["samples"], seed=base["seed"], sampling=sampling,
                    fidelity=base["fidelity"], grade=True, out=Path(out_dir), progress=True, problems=problems,
-                   extra_config=extra)
+                   extra_config=extra, shard=shard)
     return dirs[0]
 
 

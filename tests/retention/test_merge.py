@@ -166,3 +166,27 @@ def test_refuses_existing_output_and_unsharded_input(runs, tmp_path):
     res = _cli("merge", *dirs, "--out", tmp_path / "m")
     assert res.exit_code != 0 and "already exists" in res.output
     _refused([runs / "full"], tmp_path / "m2", "not shards")
+
+
+def test_confirm_in_shards_equals_unsharded_confirm(tmp_path):
+    arm = {"interval": 8, "temperature": 0.7, "limit": 2}
+    _ok("preregister", "--out", tmp_path / "plans", "--model", "tiny-random", "--budget", 40,
+        "--treatment", json.dumps(dict(arm, scorer="streaming")), "--baseline", json.dumps(dict(arm, scorer="random")),
+        "-k", 2, "--max-new-tokens", 8, "--boot", 500, "--boot-max", 500)
+    (plan,) = (tmp_path / "plans").glob("plan-*.json")
+    _ok("confirm", "--plan", plan, "--out", tmp_path / "whole")
+    sharded = tmp_path / "sharded"
+    _ok("confirm", "--plan", plan, "--out", sharded, "--shard", "1/2")
+    assert not (sharded / "ledger.jsonl").exists()  # a shard is not a result
+    early = _cli("confirm", "--plan", plan, "--out", sharded)
+    assert early.exit_code != 0 and "missing shard(s) 0/2" in early.output
+    _ok("confirm", "--plan", plan, "--out", sharded, "--shard", "0/2")
+    _ok("confirm", "--plan", plan, "--out", sharded)
+    entries = [json.loads(line) for line in (sharded / "ledger.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (tmp_path / "whole" / "ledger.jsonl").read_text().splitlines()]
+    (got_cell,), (want_cell,) = ([e for e in es if e.get("kind") == "cell"] for es in (entries, want))
+    assert got_cell["result"] == want_cell["result"]
+    for arm_name, info in got_cell["runs"].items():
+        run_dir = sharded / info["path"]
+        assert _stable(run_dir / "records.jsonl") == _stable(tmp_path / "whole" / want_cell["runs"][arm_name]["path"]
+                                                             / "records.jsonl")

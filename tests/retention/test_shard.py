@@ -10,8 +10,8 @@ from retention.errors import RetentionError
 from retention.shard import Shard, parse_shard, shard_pairs
 
 
-@settings(max_examples=300, deadline=None)
-@given(n_problems=st.integers(0, 300), samples=st.integers(1, 16), count=st.integers(1, 64))
+@settings(max_examples=200, deadline=None)
+@given(n_problems=st.integers(0, 200), samples=st.integers(1, 8), count=st.integers(1, 64))
 def test_every_pair_in_exactly_one_shard(n_problems, samples, count):
     everything = list(shard_pairs(n_problems, samples, None))
     assert len(everything) == n_problems * samples
@@ -56,4 +56,20 @@ def test_cli_refuses_bad_shard_with_one_line(tmp_path):
                                     "--out", str(tmp_path / "o")])
     assert res.exit_code != 0
     assert res.output.strip().count("\n") == 0 and res.output.startswith("Error: ")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--shards", "3"], "--shards needs --ray"),
+    (["--ray", "--shards", "0"], "--shards must be in"),
+    (["--ray"], "--ray needs --shards"),
+    (["--ray", "--shards", "2", "--shard", "0/2"], "exclude each other"),
+    (["--ray", "--shards", "2", "--gpus-per-shard", "nan"], "--gpus-per-shard must be"),
+    (["--ray", "--shards", "2", "--gpus-per-shard", "1", "--device", "cuda:1"], "pass --device cuda"),
+])
+def test_launcher_options_refused_before_anything_runs(tmp_path, extra, needle):
+    res = CliRunner().invoke(main, ["run", "--model", "tiny-random", "--scorer", "full", *extra,
+                                    "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0 and res.output.startswith("Error: "), res.output
+    assert needle in res.output, res.output
     assert not (tmp_path / "o").exists()
