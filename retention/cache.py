@@ -49,7 +49,7 @@ class RetentionLayer(DynamicLayer):
         d = self.keys.shape[-1]
         idx = keep[..., None].expand(-1, -1, -1, d)
         self.keys = torch.gather(self.keys, 2, idx)
-        self.values = torch.gather(self.values, 2, idx.expand(-1, -1, -1, self.values.shape[-1]))
+        self.values = torch.gather(self.values, 2, keep[..., None].expand(-1, -1, -1, self.values.shape[-1]))
         self.positions = torch.gather(self.positions, 2, keep)
 
     def reset(self) -> None:

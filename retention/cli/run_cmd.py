@@ -72,6 +72,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--baseline", default=None, help="Also run this scorer as the baseline arm (same seeds, same problems).")
 @click.option("--budget", type=int, callback=_positive("--budget"),
               help="Cache budget B in tokens per (layer, KV head); its meaning depends on --accounting.")
+@click.option("--budget-bytes", "budget_kib", type=float, default=None,
+              help="Cache budget in KiB per sequence instead of --budget: the tokens that many KiB of the model's "
+                   "cache layout hold, so layouts compare at matched memory.")
 @click.option("--interval", type=int, callback=_positive("--interval"),
               help="Compaction interval N (compact when the cache reaches b + N). Default: min(128, B).")
 @click.option("--accounting", type=click.Choice(["mean", "prefill", "peak"]), default="mean", show_default=True,
@@ -102,7 +105,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, lam, radius, window, routing,
+def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, lam, radius, window, routing,
                 stats_path, split, data_path, limit, samples, max_new_tokens, temperature, top_p, seed, ignore_eos,
                 fidelity, no_grade, dtype, device, out, quiet):
     """Generate on the dev split under retention policies and write resumable run directories.
@@ -119,11 +122,14 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     names = _scorer_list(scorers)
     if baseline and baseline not in names:
         names.append(baseline)
+    budget = _layout_budget(model, dtype, names, budget, budget_kib)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
     options = {"lam": lam, "radius": radius, "window": window, "routing": routing, "stats": stats_path}
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
             "accounting": accounting, "sink": sink, "recent": recent, "split": split, "data": data_path,
             "limit": limit, "samples": samples, "seed": seed, "fidelity": fidelity, **sampling}
+    if budget_kib is not None:
+        base["budget_kib"] = budget_kib
     # Validate every arm before loading a model or touching the output folder.
     arm_specs = [(name, *build_arm_config(base, name, options)) for name in names]
     run_dirs = execute(model, dtype, device, arm_specs, split=split, data_path=data_path, limit=limit,
@@ -131,6 +137,24 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
                        out=Path(out), progress=not quiet)
     for d in run_dirs:
         click.echo(_summary_line(d))
+
+
+def _layout_budget(model: str, dtype: str, names: list[str], budget: int | None, budget_kib: float | None) -> int | None:
+    """The token budget (from --budget-bytes through the model's cache layout), after refusing
+    scorers the layout does not support."""
+    from retention.arch.retention import check_run_scorers
+    from retention.layouts import tokens_for_bytes
+    from retention.models import model_layout
+
+    layout = model_layout(model, dtype)
+    check_run_scorers(layout, names)
+    if budget_kib is None:
+        return budget
+    if budget is not None:
+        raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
+    if budget_kib <= 0:
+        raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
+    return tokens_for_bytes(layout, budget_kib * 1024)
 
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
