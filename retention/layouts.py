@@ -357,6 +357,17 @@ def _documented() -> dict[str, CacheLayout]:
 DOCUMENTED: dict[str, CacheLayout] = _documented()
 
 
+def tokens_for_bytes(layout: CacheLayout, budget_bytes: int) -> int:
+    """The token budget that `budget_bytes` of stored representation per sequence buys (floor), so
+    that layouts compare at matched memory; a token budget checked by the meter is then a byte check."""
+    tokens = int(budget_bytes // layout.bytes_per_token)
+    if tokens < 1:
+        raise RetentionError(
+            f"a budget of {budget_bytes:g} bytes holds no token of {layout.name} ({layout.bytes_per_token} bytes per token)"
+        )
+    return tokens
+
+
 def named_layout(name: str) -> CacheLayout:
     try:
         return DOCUMENTED[name]

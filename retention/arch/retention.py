@@ -34,21 +34,29 @@ from retention.arch.cache import LayoutCache
 from retention.arch.model import ArchLM
 from retention.cadence import Cadence, default_interval
 from retention.errors import RetentionError
+from retention.layouts import tokens_for_bytes
 from retention.scorers.base import topk_keep
 
 SCORERS = ("full", "random", "streaming", "h2o", "snapkv")
 REFUSED = ("triattention", "alpha")
 
 
-def tokens_for_bytes(cache_layout, budget_bytes: int) -> int:
-    """The token budget that `budget_bytes` of stored representation per sequence buys."""
-    tokens = budget_bytes // cache_layout.bytes_per_token
-    if tokens < 1:
+# What the harness's own cache (`retention run` on a transformers DeepSeek-V2/V3 checkpoint, which
+# caches the latent and the RoPE key) supports on a latent layout: the scorers that read no queries.
+LATENT_RUN_SCORERS = ("full", "random", "streaming")
+
+
+def check_run_scorers(layout, names: list[str]) -> None:
+    """Refuse, in one line, `retention run` scorers that read queries against per-head keys on a
+    latent cache (their captured queries do not match a latent; `retention.arch` scores those)."""
+    if not layout.is_latent:
+        return
+    bad = [n for n in names if n not in LATENT_RUN_SCORERS]
+    if bad:
         raise RetentionError(
-            f"a budget of {budget_bytes} bytes holds no token of {cache_layout.name} "
-            f"({cache_layout.bytes_per_token} bytes per token)"
+            f"{', '.join(bad)} cannot score a latent (MLA) cache in `retention run`: the stored keys are the latent "
+            f"and RoPE key, not per-head keys; use {', '.join(LATENT_RUN_SCORERS)}"
         )
-    return tokens
 
 
 @dataclass

@@ -13,7 +13,7 @@ def _layout_for(target: str, dtype: str):
     from retention.arch.configs import TINY
     from retention.errors import RetentionError
     from retention.layouts import DOCUMENTED, layout_from_config
-    from retention.models import resolve_model
+    from retention.models import model_layout
 
     if target in DOCUMENTED:
         return DOCUMENTED[target].with_dtype(dtype)
@@ -28,14 +28,7 @@ def _layout_for(target: str, dtype: str):
         if not isinstance(config, dict):
             raise RetentionError(f"{target}: a config file holds one JSON object")
         return layout_from_config(config, dtype)
-    ref = resolve_model(target)
-    if ref.kind == "local":
-        return layout_from_config(json.loads((Path(ref.source) / "config.json").read_text()), dtype)
-    if ref.kind == "random":
-        from retention.models import build_tiny_random
-
-        return layout_from_config(build_tiny_random()[0].config, dtype)
-    raise RetentionError(f"no layout for {target!r} without loading it; use a documented layout name or a config.json")
+    return model_layout(target, dtype)
 
 
 def audit_record(layout, context: int, batch: int) -> dict:

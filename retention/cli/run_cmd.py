@@ -84,6 +84,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--baseline", default=None, help="Also run this scorer as the baseline arm (same seeds, same problems).")
 @click.option("--budget", type=int, callback=_positive("--budget"),
               help="Cache budget B in tokens per (layer, KV head); its meaning depends on --accounting.")
+@click.option("--budget-bytes", "budget_kib", type=float, default=None,
+              help="Cache budget in KiB per sequence instead of --budget: the tokens that many KiB of the model's "
+                   "cache layout hold, so layouts compare at matched memory.")
 @click.option("--interval", type=int, callback=_positive("--interval"),
               help="Compaction interval N (compact when the cache reaches b + N). Default: min(128, B).")
 @click.option("--accounting", type=click.Choice(["mean", "prefill", "peak"]), default="mean", show_default=True,
@@ -136,7 +139,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
 @click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
               help="hf: this project's engine (every scorer); vllm: vLLM's offline API for non-evicting arms (full).")
-def run_command(model, scorers, baseline, budget, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
+def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, routing, stats_path, split, data_path, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
                 seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
                 shards, gpus_per_shard, cpus_per_shard, retries, engine):
@@ -153,6 +156,7 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
     names = _scorer_list(scorers)
     if baseline and baseline not in names:
         names.append(baseline)
+    budget = _layout_budget(model, dtype, names, budget, budget_kib)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
     from retention.cli.scorer_options import resolve
 
@@ -164,6 +168,8 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
             "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
             "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
             "fidelity": fidelity, **sampling}
+    if budget_kib is not None:
+        base["budget_kib"] = budget_kib
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
     # model or touching the output folder.
     arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options[name].items()
@@ -184,6 +190,24 @@ def run_command(model, scorers, baseline, budget, interval, accounting, sink, re
         run_dirs = execute(**job, progress=not quiet, shard=shard)
     for d in run_dirs:
         click.echo(_summary_line(d, shard))
+
+
+def _layout_budget(model: str, dtype: str, names: list[str], budget: int | None, budget_kib: float | None) -> int | None:
+    """The token budget (from --budget-bytes through the model's cache layout), after refusing
+    scorers the layout does not support."""
+    from retention.arch.retention import check_run_scorers
+    from retention.layouts import tokens_for_bytes
+    from retention.models import model_layout
+
+    layout = model_layout(model, dtype)
+    check_run_scorers(layout, names)
+    if budget_kib is None:
+        return budget
+    if budget is not None:
+        raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
+    if budget_kib <= 0:
+        raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
+    return tokens_for_bytes(layout, budget_kib * 1024)
 
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,

@@ -31,7 +31,7 @@ from retention.models.aliases import (
     ModelRef,
     resolve_model,
 )
-from retention.models.loading import LoadedModel, load_model, resolve_device
+from retention.models.loading import LoadedModel, load_model, model_layout, resolve_device
 from retention.models.prompts import BOXED_INSTRUCTION, _token_ids, format_prompt
 from retention.models.tiny import (
     TINY_CHAT_TEMPLATE,
@@ -57,6 +57,6 @@ __all__ = [
     "SMOLLM2_PACKAGE", "TINY_CHAT_TEMPLATE", "TINY_INIT_RANGE", "TINY_RANDOM_SEED", "TINY_SPECIAL_TOKENS",
     "CacheGeometry", "CacheLayout", "LoadedModel", "ModelAlias", "ModelKind", "ModelRef",
     "build_tiny_random", "build_tiny_tokenizer", "cache_root", "dtype_name", "format_prompt", "load_gguf",
-    "load_model", "publish_dir", "resolve_device", "resolve_dtype", "resolve_model", "sha256_files",
+    "load_model", "model_layout", "publish_dir", "resolve_device", "resolve_dtype", "resolve_model", "sha256_files",
     "smollm2_cache_dir", "smollm2_gguf_path", "_build_smollm2_cache", "_smollm2_cache", "_token_ids",
 ]

@@ -208,3 +208,22 @@ def _folder_revision(folder: Path) -> str:
     if not weights:
         return "unknown"
     return sha256_files(weights)
+
+
+def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayout:
+    """The cache layout of model `name` without loading its weights: from the folder's config.json,
+    the documented layout of an aliased model, or the config of `tiny-random`."""
+    import json
+
+    from retention.layouts import DOCUMENTED
+
+    ref = resolve_model(name)
+    if ref.kind == "local":
+        try:
+            config = json.loads((Path(ref.source) / "config.json").read_text())
+        except ValueError as exc:
+            raise RetentionError(f"{name}: config.json is not valid JSON ({exc})") from None
+        return layout_from_config(config, dtype)
+    if ref.kind == "random":
+        return layout_from_config(build_tiny_random()[0].config, dtype)
+    return DOCUMENTED[ref.name].with_dtype(dtype)

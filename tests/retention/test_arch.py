@@ -17,8 +17,8 @@ from retention.arch.model import ArchLM, build_arch
 from retention.arch.retention import SCORERS, GroupScorer, decode, tokens_for_bytes
 from retention.errors import RetentionError
 
-TOKENS = [int(t) for t in torch.randint(0, 259, (40,), generator=torch.Generator().manual_seed(1))]
-PROMPT = 12
+TOKENS = [int(t) for t in torch.randint(0, 259, (28,), generator=torch.Generator().manual_seed(1))]
+PROMPT = 8
 
 
 def _full_logits(model: ArchLM, ids: list[int]) -> torch.Tensor:
@@ -94,14 +94,18 @@ def test_documented_configs_store_the_documented_layout(name):
 @pytest.mark.parametrize("name", list(TINY))
 def test_stored_bytes_equal_the_layout(name):
     model = build_arch(name)
-    run = decode(model, TOKENS, PROMPT, "h2o", budget=20, interval=4, sink=2)
+    run = decode(model, TOKENS, PROMPT, "h2o", budget=16, interval=4, sink=2)
     layout = model.new_cache().layout
     assert run.compactions > 0
     assert run.stored_bytes == [n * layout.bytes_per_token for n in run.stored]
 
 
-@pytest.mark.parametrize("scorer", SCORERS)
-@pytest.mark.parametrize("name", list(TINY))
+def _grid(scorers, fast):
+    """Every (layout, scorer); the pairs outside `fast` are marked slow (the grid takes minutes)."""
+    return [pytest.param(n, s, marks=() if s == fast else pytest.mark.slow) for n in TINY for s in scorers]
+
+
+@pytest.mark.parametrize(("name", "scorer"), _grid(SCORERS, "h2o"))
 def test_every_scorer_is_exact_at_an_unlimited_budget(name, scorer):
     model = build_arch(name, dtype=torch.float64)
     run = decode(model, TOKENS, PROMPT, scorer, budget=len(TOKENS) + 10, interval=1, sink=1)
@@ -109,8 +113,7 @@ def test_every_scorer_is_exact_at_an_unlimited_budget(name, scorer):
     assert torch.allclose(torch.stack(run.logits), full[PROMPT - 1:], atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("scorer", ["random", "streaming", "h2o", "snapkv"])
-@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize(("name", "scorer"), _grid(["random", "streaming", "h2o", "snapkv"], "snapkv"))
 def test_eviction_is_shared_per_group_and_changes_the_output(name, scorer):
     model = build_arch(name, dtype=torch.float64)
     cache_holder = {}
@@ -165,6 +168,6 @@ def test_budget_bytes_matches_memory_across_layouts():
     assert tokens_for_bytes(mla_layout, 8192) > tokens_for_bytes(kv_layout, 8192)
     with pytest.raises(RetentionError, match="holds no token"):
         tokens_for_bytes(kv_layout, 10)
-    run = decode(build_arch("tiny-mla"), TOKENS, PROMPT, "streaming", budget_bytes=20 * mla_layout.bytes_per_token,
+    run = decode(build_arch("tiny-mla"), TOKENS, PROMPT, "streaming", budget_bytes=12 * mla_layout.bytes_per_token,
                  interval=4, sink=2)
-    assert max(run.stored_bytes) <= (20 + 4) * mla_layout.bytes_per_token
+    assert max(run.stored_bytes) <= (12 + 4) * mla_layout.bytes_per_token
