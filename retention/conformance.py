@@ -49,7 +49,7 @@ class CaseResult:
     scorer: str
     checks: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
-    max_score_err: float = 0.0
+    worst: float = 0.0  # the largest score error as a fraction of its tolerance
 
     @property
     def ok(self) -> bool:
@@ -59,7 +59,7 @@ class CaseResult:
         head = f"{'PASS' if self.ok else 'FAIL'} {self.name} ({self.scorer}): {len(self.checks)} checks"
         if not self.ok:
             return head + "; " + ("; ".join(self.failures) if self.failures else "nothing was checked")
-        return head + f", max score error {self.max_score_err:.2e}"
+        return head + f", worst score error {self.worst:.2f} of its tolerance"
 
     # -- comparisons --------------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ class CaseResult:
         err = float((got - want).abs().max()) if got.numel() else 0.0
         if not err <= atol:  # also catches NaN
             self.failures.append(f"{what}: max |error| {err:.3g} > {atol:.3g}")
-        self.max_score_err = max(self.max_score_err, err) if err == err else math.inf
+        self.worst = max(self.worst, err / atol if atol > 0 else (0.0 if err == 0 else math.inf))
 
     def kept(self, what: str, got: torch.Tensor, want: torch.Tensor, keep_class: torch.Tensor | None = None,
              tie_quota: torch.Tensor | None = None) -> None:
