@@ -63,7 +63,9 @@ class _Group(click.Group):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
         try:
-            super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            # Outside standalone mode click returns (not raises) the code of a command's
+            # `click.exceptions.Exit`, so an exit status set by a command arrives here.
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError as exc:  # a bare command asks for its help
             click.echo(exc.ctx.get_help() if exc.ctx else exc.format_message())
             sys.exit(0)
@@ -80,7 +82,7 @@ class _Group(click.Group):
                 raise
             click.echo(f"Error: {error_message(exc)}", err=True)
             sys.exit(1)
-        sys.exit(0)
+        sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
