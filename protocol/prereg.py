@@ -25,7 +25,8 @@ The runner contract (the real generation runner is plugged in by the CLI layer):
   budget, samples=k, seed, max_new_tokens, split="confirm", plan_hash, and any declared overrides);
 * `out_dir` is where to create the run directory (`<confirm out>/runs/<cell id>/`);
 * it returns a run directory holding `config.json` and `records.jsonl` (docs/records.md) and raises
-  on failure (the crash is logged as a deviation and the cell can be rerun).
+  on failure (the crash is logged as a deviation and the cell can be rerun). A `ProtocolError`
+  means bad input (a file, an option) and is raised as is, never logged as a crash.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ WIDTH = 100  # fixed, so the text does not depend on the terminal it was generat
 
 
 def help_text(cmd: click.Command, name: str) -> str:
-    with click.Context(cmd, info_name=name, terminal_width=WIDTH, max_content_width=WIDTH) as ctx:
+    with click.Context(cmd, info_name=name, terminal_width=WIDTH, max_content_width=WIDTH,
+                       help_option_names=["-h", "--help"]) as ctx:
         return cmd.get_help(ctx)
 
 

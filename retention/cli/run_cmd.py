@@ -65,14 +65,6 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
         hint = "" if path else f" (the default for {model})"
         raise RetentionError(f"no calibration statistics at {resolved}{hint}; run `retention calibrate "
                              f"--model {model}` first or pass --stats FILE")
-    from retention.calibration import QueryStats
-
-    try:  # read it now: a file that is not statistics fails here, not mid-run
-        QueryStats.load(resolved)
-    except RetentionError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise RetentionError(f"{resolved} is not a retention statistics file (safetensors: {exc})") from None
     return str(resolved.resolve()), hashlib.sha256(resolved.read_bytes()).hexdigest()
 
 
@@ -362,7 +354,21 @@ def validate_arm(cfg: dict):
         config, built, cadence = build_arm_config(base, cfg["scorer"], options)
     except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
+    if built.get("stats"):
+        _check_stats_file(Path(built["stats"]))
     return cfg["scorer"], config, built, cadence
+
+
+def _check_stats_file(path: Path) -> None:
+    """Read a statistics file now: one that is not statistics fails here, not mid-run."""
+    from retention.calibration import QueryStats
+
+    try:
+        QueryStats.load(path)
+    except RetentionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise RetentionError(f"{path} is not a retention statistics file (safetensors: {exc})") from None
 
 
 def _scorer_fields(name: str) -> set[str]:

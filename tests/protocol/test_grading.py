@@ -419,7 +419,8 @@ def test_cli_grade_bad_input_is_one_line_and_writes_nothing(tmp_path, lines, nee
 
 def test_cli_grade_missing_file(tmp_path):
     res = CliRunner().invoke(_cli(), ["grade", str(tmp_path / "none.jsonl")])
-    assert res.exit_code == 2 and "does not exist" in res.output
+    assert res.exit_code == 1 and "does not exist" in res.output  # click's usage error, one line, exit 1
+
 
 
 # ---------------------------------------------------------------------- --compare math-verify

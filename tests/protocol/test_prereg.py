@@ -390,7 +390,7 @@ def _preregister(tmp_path, *extra):
                  "--budget", "512", "--treatment", '{"scorer": "rkv", "accounting": "mean"}',
                  "--treatment-set", "scorer_params.lambda=0.5", "--baseline-set", "scorer=streaming",
                  "-k", "2", "--max-new-tokens", "4096", "--boot", "2000", "--boot-max", "2000",
-                 "--manifest-hash", MANIFEST, "--code-version", "0.1.0+gtest", *extra])
+                 "--code-version", "0.1.0+gtest", *extra])
 
 
 def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
@@ -402,12 +402,15 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     # `scorer_params.lambda` (the --help example) is stored under the parameter's field name
     assert plan["treatment"] == {"scorer": "rkv", "accounting": "mean", "scorer_params": {"lam": 0.5}}
     assert plan["baseline"] == {"scorer": "streaming"}
-    assert plan == new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"])
+    from protocol.splits import manifest_sha256
+
+    assert plan == new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"],
+                            manifest_hash=manifest_sha256())  # the verified splits' manifest
     res = _preregister(tmp_path)
     assert res.exit_code == 0 and "already registered" in res.output
 
     out = tmp_path / "confirm"
-    base = ["confirm", "--plan", str(plans[0]), "--out", str(out), "--manifest-hash", MANIFEST,
+    base = ["confirm", "--plan", str(plans[0]), "--out", str(out),
             "--code-version", "0.1.0+gtest"]
     monkeypatch.setattr(prereg, "DEFAULT_RUNNER", None)
     import retention.cli.run_cmd as run_cmd
