@@ -16,8 +16,10 @@ With `fidelity=True` a second cache of the same rows holds the full (never compa
 same tokens are decoded through it too (batched as well); each step records KL(p_full || p_retained)
 and whether the top-1 tokens agree.
 
-Host synchronisation: one `tolist()` of the sampled tokens per step (the batched EOS and length check);
-cache lengths and the cadence are tracked on the host, so nothing else reads the device in a step.
+Host synchronisation: one `tolist()` of the sampled tokens per step (the batched EOS and length check;
+with `fidelity` a second one for the KL figures); cache lengths and the cadence are tracked on the
+host, and step timings come from CUDA events on a GPU, so nothing else waits for the device in a
+decode step (a compaction step reads a few small tensors).
 """
 
 from __future__ import annotations
@@ -132,6 +134,24 @@ class _Slot:
     finish: str | None = None
 
 
+class _Clock:
+    """Step timings without a host synchronisation: CUDA events on a GPU (read once the step's
+    tokens are on the host, when they are complete), the wall clock elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
+
+
 def _now(device: torch.device) -> float:
     """Wall clock after the device's queued work is done (CUDA runs asynchronously)."""
     if device.type == "cuda":
@@ -204,6 +224,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache_kw = cache_kwarg(model)
+        self.clock = _Clock(self.device)
         self.L = model.config.get_text_config().num_hidden_layers
         self.queue = list(requests)[::-1]  # pop() from the end = first request first
         self.S = max(1, min(batch_size, len(self.queue)))
@@ -313,13 +334,12 @@ class Engine:
         stats.busy = R = len(rows)
         ids = torch.tensor([[st.out[-1]] for st in rows], device=dev)
         pos = torch.tensor([[len(st.req.prompt_ids) + len(st.out) - 1] for st in rows], device=dev)
-        t_step = _now(dev)
+        clock = self.clock
+        t_step = clock.mark()
         logits = forward_step(self.model, ids, pos, cache, self.cache_kw, cache.attention_mask(1, self.dtype))
-        dt = _now(dev) - t_step
-        stats.decode_seconds += dt
+        t_fwd = clock.mark()
         stats.steps += 1
         for r, st in enumerate(rows):
-            st.decode_s.append(dt)
             st.meter.record([cache.lengths[r]])
         if ref is not None:
             ref_logits = forward_step(self.model, ids, pos, ref, self.cache_kw, ref.attention_mask(1, self.dtype))
@@ -327,15 +347,22 @@ class Engine:
             for r, st in enumerate(rows):
                 st.fid.kl.append(kl[r])
                 st.fid.top1_agree.append(agree[r])
-        t_c = _now(dev)
+        t_c = clock.mark()
         nxt = [len(st.req.prompt_ids) + len(st.out) for st in rows]
-        if self.policy.after_forward(cache, nxt[0] if R == 1 else nxt,
-                                     rows[0].meter if R == 1 else [st.meter for st in rows], prefill=False):
-            dt = _now(dev) - t_c
+        compacted = self.policy.after_forward(cache, nxt[0] if R == 1 else nxt,
+                                              rows[0].meter if R == 1 else [st.meter for st in rows], prefill=False)
+        t_end = clock.mark()
+        # The one host read of the step (batched EOS and length checks); the timings after it.
+        toks = sample_rows(logits, self.sampling, [self.gens[cache.slots[r]] for r in range(R)])
+        dt = clock.seconds(t_step, t_fwd)
+        stats.decode_seconds += dt
+        for st in rows:
+            st.decode_s.append(dt)
+        if compacted:
+            dt = clock.seconds(t_c, t_end)
             stats.compaction_seconds += dt
             for st in rows:
                 st.compact_s.append(dt)
-        toks = sample_rows(logits, self.sampling, [self.gens[cache.slots[r]] for r in range(R)])
         keep_rows = []
         for r, st in enumerate(rows):
             if not self._take(st, toks[r], logits[r]):
