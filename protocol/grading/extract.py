@@ -321,8 +321,8 @@ def _number_words(s: str) -> tuple[str, int] | None:
             break
         seen = seen or w in _NUMBER_WORDS
         used = m.end()
-    if not seen:
-        return None
+    if not seen or re.match(r"\s+of\b", s[used:]):
+        return None  # "one of the roots" is a pronoun, not a number
     if s[:used].rstrip().lower().endswith("and"):
         used = s[:used].lower().rstrip().rfind("and")
     value = total + current
@@ -364,6 +364,26 @@ def _prose_value(rest: str) -> str | None:
     return None
 
 
+#: The end of a complete sentence: a period that is not a decimal point, "!", "?", a line end.
+_SENTENCE_STOP = re.compile(r"\.(?!\d)|[!?]|\n")
+
+
+def _runs_on(rest: str) -> bool:
+    """Whether the text after a value ends in a sentence that never ends: two or more words after
+    the last period, "!", "?" or line end ("4 times the", "$x = 5$. So for n = 4 we"). That is
+    an output cut off mid-sentence, whose last value is not its answer; a unit or currency sign
+    alone after the value ("1,000.99€", "$28$ %", "5 cm") still ends it."""
+    last = None
+    for last in _SENTENCE_STOP.finditer(_no_meridiem_dots(rest)):
+        pass
+    fragment = rest if last is None else rest[last.end():]
+    return len(re.findall(r"[A-Za-z]+", fragment)) >= 2
+
+
+def _no_meridiem_dots(s: str) -> str:
+    return re.sub(r"([ap])\.m\.", r"\1m.", s)  # "p.m." may also end the sentence
+
+
 def _states_more(rest: str) -> bool:
     """Whether text after a sentence could state a value (a digit, math, a box): closing
     remarks without one ("I hope this helps!") do not displace the concluding sentence."""
@@ -385,7 +405,10 @@ def _statement(text: str) -> tuple[int, str] | None:
     if value is None:
         return None
     tail = text[m.end():]
-    end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", tail))
+    lead = _LEAD_NUMBER.match(_HEDGE_LEAD.sub("", tail, count=1))
+    if _runs_on(tail if lead is None else _HEDGE_LEAD.sub("", tail, count=1)[lead.end():]):
+        return None  # cut off mid-sentence ("the number of ways is 4 times the"): no statement
+    end = _SENTENCE_END.search(_no_meridiem_dots(tail))
     if end is not None and _states_more(tail[end.end():]):
         return None  # a later sentence names a value: this is not the concluding statement
     return m.start(), value
@@ -406,12 +429,12 @@ def _conclusion(text: str) -> tuple[int, str] | None:
     if m is None:
         return None
     sentence = masked[m.end():]
-    end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", sentence))
+    end = _SENTENCE_END.search(_no_meridiem_dots(sentence))
     if end is not None and _states_more(sentence[end.end():]):
         return None  # a later sentence names a value
     numbers = list(_ANY_NUMBER.finditer(sentence))
-    if len(numbers) != 1:
-        return None
+    if len(numbers) != 1 or not _SENTENCE_STOP.search(_no_meridiem_dots(sentence)):
+        return None  # two numbers (working), or cut off before the sentence ends
     value = _prose_value(text[m.end() + numbers[0].start():m.end() + numbers[0].start() + 200])
     return (m.start(), value) if value and _numeric(value) else None
 
@@ -633,7 +656,11 @@ def _extract(text: str) -> Extraction:
     if stated is not None and (not spans or (stated[0] > spans[-1][1] and _numeric(stated[1]))):
         return Extraction(stated[1], "is")  # the last sentence states it in words
     if spans:
-        ans = _join([c for _, _, c in _group(spans, text)])
+        group = _group(spans, text)
+        rest = text[group[-1][1]:]
+        if _runs_on(rest):
+            return Extraction(None, None)  # "we get $x = 5$ and then": cut off, not concluded
+        ans = _join([c for _, _, c in group])
         if ans:
             return Extraction(ans, "math")
 
