@@ -1,28 +1,36 @@
 """Answer extraction from model output: pure string work, linear in the length of the text.
 
-Rules, tried in this order; the name of the one that fired is returned with the answer:
+First the text that can hold the final answer is cut out (`_clean`, `_final_part`): the model's
+own turn (up to a chat-template marker that follows content), the part after ``</think>`` (an
+unclosed ``<think>`` is a trace cut off before its answer), without markdown bold/headings.
+Then rules, tried in this order; the name of the one that fired is returned with the answer:
 
 ``boxed``
-    The last *group* of complete ``\\boxed{...}`` / ``\\fbox{...}`` (brace matching, nested braces,
-    ``\\boxed 5``). Boxes separated only by a connector (nothing, punctuation, ``\\quad``, "and",
-    "or", "for part (a) and", ...) form one group and are joined with ", ", so
-    ``\\boxed{898} \\boxed{900}`` gives ``898, 900``, never ``898900``; identical repeats are kept
-    once. A "final answer is ..." statement *after* the last box wins over the box (models that box
-    intermediate values and state the result at the end).
+    The last *group* of complete ``\\boxed{...}`` / ``\\fbox{...}`` (brace matching, nested
+    braces, ``\\boxed 5``). Boxes in one clause (nothing, punctuation, ``\\quad``, "and", "or",
+    a hedge such as "or maybe" or "Alternatively,") are one answer joined with ", ", so
+    ``\\boxed{898} \\boxed{900}`` gives ``898, 900``, never ``898900``. Boxes that answer
+    labelled parts ((a), (b), ...) form one ordered tuple. A "final answer is ..." statement
+    *after* the last box wins; a number restated in a concluding sentence after a one-number box
+    becomes a second stated answer (`Extraction.others`), and credit needs both.
 ``final_answer``
-    "final answer is ...", "the answer is ...".
+    "final answer is ...", "the answer is ...", or a "Final Answer" heading line.
 ``answer``
     "Answer: ..." (or a text that starts with "Answer").
+``is``
+    The value stated by the last sentence in prose ("there are 12 such numbers", "So the recipe
+    needs 2 1/2 cups."), when no math comes after it.
 ``math``
     The last group of math spans (``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``).
-``is``
-    Plain text without math: the few words after the last " is ".
 ``bare``
-    A short text with none of the above is taken whole (``\\frac{13}{6}``, ``(8,-2)``, ``Navin``),
-    unless it reads as prose (five or more plain words: a cut-off sentence is no answer).
+    A short text with none of the above is taken whole (``\\frac{13}{6}``, ``(8,-2)``,
+    ``Navin``), unless it reads as prose (five or more plain words: a cut-off sentence is no
+    answer).
 
-Everything is linear: one pass computes all brace matches, math spans are found with forward
-`str.find` calls only, and every regex is free of nested quantifiers.
+A truncated output (a sentence cut off after the last value) gives no answer from the prose and
+math rules. Everything is linear: one pass computes all brace matches, math spans are found with
+forward `str.find` calls only, the prose rules read only the last `SEGMENT_MAX_CHARS`, and every
+regex is free of nested quantifiers. docs/grading.md lists every rule with the reason for it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["extract", "extract_answer", "Extraction", "find_boxes", "math_spans", "RULES"]
+__all__ = ["extract_final", "extract_answer", "Extraction", "find_boxes", "math_spans", "RULES"]
 
 RULES = ("boxed", "final_answer", "answer", "math", "is", "bare")
 
@@ -590,7 +598,7 @@ class Extraction:
     others: tuple[str, ...] = ()
 
 
-def extract(text: str | None) -> Extraction:
+def extract_final(text: str | None) -> Extraction:
     """The final answer of a model output (see the module docstring for the rules)."""
     if not text or not isinstance(text, str):
         return Extraction(None, None)
@@ -604,7 +612,7 @@ def extract(text: str | None) -> Extraction:
 
 def extract_answer(text: str | None) -> tuple[str | None, str | None]:
     """(answer, rule) for a model output, or (None, None) when it holds no answer."""
-    e = extract(text)
+    e = extract_final(text)
     return e.answer, e.rule
 
 
