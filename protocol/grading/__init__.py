@@ -23,7 +23,8 @@ from typing import Iterable
 from protocol.grading.extract import RULES, extract_answer, extract_final, find_boxes
 from protocol.grading.normalize import MAX_ANSWER_CHARS
 
-__all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final", "extract_answer", "close_workers", "REASONS", "RULES"]
+__all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final",
+           "extract_answer", "close_workers", "REASONS", "RULES"]
 
 REASONS = ("no_answer", "timeout", "unparsable")
 

@@ -455,7 +455,8 @@ def _single_number(ans: str) -> bool:
     """A boxed answer that is one number (`12`, `\\frac{3}{4}`, `2\\sqrt{3}`), the only kind a
     number restated after it can contradict: after `\\boxed{(1,2),(3,4)}`, "So there are 2
     pairs" counts the answer instead of restating it."""
-    return bool(re.search(r"\d", ans)) and not re.search(r"[,;=(\[]|\\[{}]|matrix|\\cup|\\pm|[a-zA-Z]\s*$", ans)
+    return bool(re.search(r"\d", ans)) and not re.search(
+        r"[,;=(\[]|\\[{}]|matrix|\\cup|\\pm|[a-zA-Z]\s*$", ans)
 
 
 def _tail(text: str) -> tuple[int, str]:
