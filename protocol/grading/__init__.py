@@ -20,10 +20,11 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from protocol.grading.extract import RULES, extract, extract_answer, find_boxes
+from protocol.grading.extract import RULES, extract_answer, extract_final, find_boxes
 from protocol.grading.normalize import MAX_ANSWER_CHARS
 
-__all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract", "extract_answer", "close_workers", "REASONS", "RULES"]
+__all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final",
+           "extract_answer", "close_workers", "REASONS", "RULES"]
 
 REASONS = ("no_answer", "timeout", "unparsable")
 
@@ -76,7 +77,7 @@ def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
     for pred, _ in pairs:
         if pred is not None and not isinstance(pred, str):
             raise TypeError(f"pred must be a string or None, got {type(pred).__name__}")
-        found.append(extract(pred))
+        found.append(extract_final(pred))
     refs = [_reference(gold) for _, gold in pairs]
     # every answer the output states as final is judged; credit needs all of them right
     tasks = [(i, ans) for i, e in enumerate(found) if e.answer is not None

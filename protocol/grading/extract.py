@@ -1,28 +1,36 @@
 """Answer extraction from model output: pure string work, linear in the length of the text.
 
-Rules, tried in this order; the name of the one that fired is returned with the answer:
+First the text that can hold the final answer is cut out (`_clean`, `_final_part`): the model's
+own turn (up to a chat-template marker that follows content), the part after ``</think>`` (an
+unclosed ``<think>`` is a trace cut off before its answer), without markdown bold/headings.
+Then rules, tried in this order; the name of the one that fired is returned with the answer:
 
 ``boxed``
-    The last *group* of complete ``\\boxed{...}`` / ``\\fbox{...}`` (brace matching, nested braces,
-    ``\\boxed 5``). Boxes separated only by a connector (nothing, punctuation, ``\\quad``, "and",
-    "or", "for part (a) and", ...) form one group and are joined with ", ", so
-    ``\\boxed{898} \\boxed{900}`` gives ``898, 900``, never ``898900``; identical repeats are kept
-    once. A "final answer is ..." statement *after* the last box wins over the box (models that box
-    intermediate values and state the result at the end).
+    The last *group* of complete ``\\boxed{...}`` / ``\\fbox{...}`` (brace matching, nested
+    braces, ``\\boxed 5``). Boxes in one clause (nothing, punctuation, ``\\quad``, "and", "or",
+    a hedge such as "or maybe" or "Alternatively,") are one answer joined with ", ", so
+    ``\\boxed{898} \\boxed{900}`` gives ``898, 900``, never ``898900``. Boxes that answer
+    labelled parts ((a), (b), ...) form one ordered tuple. A "final answer is ..." statement
+    *after* the last box wins; a number restated in a concluding sentence after a one-number box
+    becomes a second stated answer (`Extraction.others`), and credit needs both.
 ``final_answer``
-    "final answer is ...", "the answer is ...".
+    "final answer is ...", "the answer is ...", or a "Final Answer" heading line.
 ``answer``
     "Answer: ..." (or a text that starts with "Answer").
+``is``
+    The value stated by the last sentence in prose ("there are 12 such numbers", "So the recipe
+    needs 2 1/2 cups."), when no math comes after it.
 ``math``
     The last group of math spans (``$..$``, ``$$..$$``, ``\\(..\\)``, ``\\[..\\]``).
-``is``
-    Plain text without math: the few words after the last " is ".
 ``bare``
-    A short text with none of the above is taken whole (``\\frac{13}{6}``, ``(8,-2)``, ``Navin``),
-    unless it reads as prose (five or more plain words: a cut-off sentence is no answer).
+    A short text with none of the above is taken whole (``\\frac{13}{6}``, ``(8,-2)``,
+    ``Navin``), unless it reads as prose (five or more plain words: a cut-off sentence is no
+    answer).
 
-Everything is linear: one pass computes all brace matches, math spans are found with forward
-`str.find` calls only, and every regex is free of nested quantifiers.
+A truncated output (a sentence cut off after the last value) gives no answer from the prose and
+math rules. Everything is linear: one pass computes all brace matches, math spans are found with
+forward `str.find` calls only, the prose rules read only the last `SEGMENT_MAX_CHARS`, and every
+regex is free of nested quantifiers. docs/grading.md lists every rule with the reason for it.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["extract", "extract_answer", "Extraction", "find_boxes", "math_spans", "RULES"]
+__all__ = ["extract_final", "extract_answer", "Extraction", "find_boxes", "math_spans", "RULES"]
 
 RULES = ("boxed", "final_answer", "answer", "math", "is", "bare")
 
@@ -321,8 +329,8 @@ def _number_words(s: str) -> tuple[str, int] | None:
             break
         seen = seen or w in _NUMBER_WORDS
         used = m.end()
-    if not seen:
-        return None
+    if not seen or re.match(r"\s+of\b", s[used:]):
+        return None  # "one of the roots" is a pronoun, not a number
     if s[:used].rstrip().lower().endswith("and"):
         used = s[:used].lower().rstrip().rfind("and")
     value = total + current
@@ -364,6 +372,26 @@ def _prose_value(rest: str) -> str | None:
     return None
 
 
+#: The end of a complete sentence: a period that is not a decimal point, "!", "?", a line end.
+_SENTENCE_STOP = re.compile(r"\.(?!\d)|[!?]|\n")
+
+
+def _runs_on(rest: str) -> bool:
+    """Whether the text after a value ends in a sentence that never ends: two or more words after
+    the last period, "!", "?" or line end ("4 times the", "$x = 5$. So for n = 4 we"). That is
+    an output cut off mid-sentence, whose last value is not its answer; a unit or currency sign
+    alone after the value ("1,000.99€", "$28$ %", "5 cm") still ends it."""
+    last = None
+    for last in _SENTENCE_STOP.finditer(_no_meridiem_dots(rest)):
+        pass
+    fragment = rest if last is None else rest[last.end():]
+    return len(re.findall(r"[A-Za-z]+", fragment)) >= 2
+
+
+def _no_meridiem_dots(s: str) -> str:
+    return re.sub(r"([ap])\.m\.", r"\1m.", s)  # "p.m." may also end the sentence
+
+
 def _states_more(rest: str) -> bool:
     """Whether text after a sentence could state a value (a digit, math, a box): closing
     remarks without one ("I hope this helps!") do not displace the concluding sentence."""
@@ -385,7 +413,10 @@ def _statement(text: str) -> tuple[int, str] | None:
     if value is None:
         return None
     tail = text[m.end():]
-    end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", tail))
+    lead = _LEAD_NUMBER.match(_HEDGE_LEAD.sub("", tail, count=1))
+    if _runs_on(tail if lead is None else _HEDGE_LEAD.sub("", tail, count=1)[lead.end():]):
+        return None  # cut off mid-sentence ("the number of ways is 4 times the"): no statement
+    end = _SENTENCE_END.search(_no_meridiem_dots(tail))
     if end is not None and _states_more(tail[end.end():]):
         return None  # a later sentence names a value: this is not the concluding statement
     return m.start(), value
@@ -406,12 +437,12 @@ def _conclusion(text: str) -> tuple[int, str] | None:
     if m is None:
         return None
     sentence = masked[m.end():]
-    end = _SENTENCE_END.search(re.sub(r"[ap]\.m\.", "pm", sentence))
+    end = _SENTENCE_END.search(_no_meridiem_dots(sentence))
     if end is not None and _states_more(sentence[end.end():]):
         return None  # a later sentence names a value
     numbers = list(_ANY_NUMBER.finditer(sentence))
-    if len(numbers) != 1:
-        return None
+    if len(numbers) != 1 or not _SENTENCE_STOP.search(_no_meridiem_dots(sentence)):
+        return None  # two numbers (working), or cut off before the sentence ends
     value = _prose_value(text[m.end() + numbers[0].start():m.end() + numbers[0].start() + 200])
     return (m.start(), value) if value and _numeric(value) else None
 
@@ -424,7 +455,8 @@ def _single_number(ans: str) -> bool:
     """A boxed answer that is one number (`12`, `\\frac{3}{4}`, `2\\sqrt{3}`), the only kind a
     number restated after it can contradict: after `\\boxed{(1,2),(3,4)}`, "So there are 2
     pairs" counts the answer instead of restating it."""
-    return bool(re.search(r"\d", ans)) and not re.search(r"[,;=(\[]|\\[{}]|matrix|\\cup|\\pm|[a-zA-Z]\s*$", ans)
+    return bool(re.search(r"\d", ans)) and not re.search(
+        r"[,;=(\[]|\\[{}]|matrix|\\cup|\\pm|[a-zA-Z]\s*$", ans)
 
 
 def _tail(text: str) -> tuple[int, str]:
@@ -567,7 +599,7 @@ class Extraction:
     others: tuple[str, ...] = ()
 
 
-def extract(text: str | None) -> Extraction:
+def extract_final(text: str | None) -> Extraction:
     """The final answer of a model output (see the module docstring for the rules)."""
     if not text or not isinstance(text, str):
         return Extraction(None, None)
@@ -581,7 +613,7 @@ def extract(text: str | None) -> Extraction:
 
 def extract_answer(text: str | None) -> tuple[str | None, str | None]:
     """(answer, rule) for a model output, or (None, None) when it holds no answer."""
-    e = extract(text)
+    e = extract_final(text)
     return e.answer, e.rule
 
 
@@ -633,7 +665,11 @@ def _extract(text: str) -> Extraction:
     if stated is not None and (not spans or (stated[0] > spans[-1][1] and _numeric(stated[1]))):
         return Extraction(stated[1], "is")  # the last sentence states it in words
     if spans:
-        ans = _join([c for _, _, c in _group(spans, text)])
+        group = _group(spans, text)
+        rest = text[group[-1][1]:]
+        if _runs_on(rest):
+            return Extraction(None, None)  # "we get $x = 5$ and then": cut off, not concluded
+        ans = _join([c for _, _, c in group])
         if ans:
             return Extraction(ans, "math")
 

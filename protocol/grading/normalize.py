@@ -441,7 +441,8 @@ MAX_ITEMS = 64
 
 
 _LABEL = r"\(([a-h]|i{1,3}|iv|vi{0,3})\)"
-_PART = re.compile(r"(?:\\text(?:bf)?\{[\s,;]*(?:and\s*)?" + _LABEL + r"[\s:]*\}|(?<![A-Za-z0-9\\_^{])" + _LABEL +
+_PART = re.compile(r"(?:\\text(?:bf)?\{[\s,;]*(?:and\s*)?" + _LABEL + r"[\s:]*\}"
+                   r"|(?<![A-Za-z0-9\\_^{])" + _LABEL +
                    r")\s*:?")
 _PART_SCHEMES = ("abcdefgh", ("i", "ii", "iii", "iv", "v", "vi", "vii", "viii"))
 

@@ -297,8 +297,9 @@ class WorkerPool:
         named `judge` ("grader", or "math-verify" when it is installed).
 
         Returns, per task in order, (status, verdict, detail) with status "ok" | "timeout" |
-        "unparsable" (| "no_answer" for math-verify). A task that is not answered within `timeout` seconds of being handed to a
-        worker is a timeout, and that worker is killed and replaced.
+        "unparsable" (| "no_answer" for math-verify). A task that is not answered within
+        `timeout` seconds of being handed to a worker is a timeout, and that worker is killed
+        and replaced.
         """
         if not tasks:
             return []

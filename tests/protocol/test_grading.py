@@ -222,11 +222,13 @@ def test_final_answer_rules(text, answer, rule):
 
 
 @pytest.mark.parametrize("text", [
+    "So the number of ways is 4 times the",                # a truncated sentence states nothing
+    "Now consider $n = 3$. So for n = 4 we",
     "<think>\nSo far $\\boxed{5}$, but let me verify. Expanding again we",  # cut inside the think
     "<think>\nok \\boxed{7}\n</think>",                                   # nothing after it
     "<think>\nok\n</think>\n\n",
 ])
-def test_a_think_without_an_answer_after_it_is_no_answer(text):
+def test_no_final_answer_in_truncated_outputs(text):
     assert extract_answer(text) == (None, None)
     assert grade(text, "5").reason == "no_answer"
 
