@@ -1,123 +1,383 @@
-"""The retention cache: a transformers `Cache` whose layers physically shrink at a compaction.
+"""The retention cache: a transformers `Cache` of `S` sequence slots in preallocated buffers.
 
-Shapes: batch `B`, KV heads `G`, stored tokens `n`, head dim `d`, layers `L`.
+Shapes: slots (rows) `S`, KV heads `G`, capacity `cap`, head dim `d`, layers `L`, due rows `B`.
 
-Each layer stores exactly what the model wrote (post-RoPE keys, values: `[B, G, n, d]`) and, per KV
-head, the original absolute position of every stored token (`[B, G, n]`, int64). The model's own
-attention code runs unchanged: it calls `update`, receives the stored keys/values and attends to all
-of them. Eviction is a gather into new, smaller tensors (`compact`), so memory really shrinks; every
-KV head of a layer keeps the same number of tokens so tensors stay rectangular, while different heads
-may keep different tokens.
+Each layer holds `[S, G, cap, d]` key and value buffers (post-RoPE keys exactly as the model wrote
+them) and `[S, G, cap]` absolute positions, plus any per-token state a scorer registers
+(`extra`, `[S, G, cap, ...]`). Every row has its own stored length (`lengths`, one per row, the same
+for every layer and KV head: a compaction keeps the same number of tokens everywhere, so tensors stay
+rectangular while different heads may keep different tokens). A new token is written in place at
+its row's length; a compaction gathers a row's kept tokens to the front of its own buffer; nothing
+is reallocated unless the capacity is exceeded (it then doubles: the `full` policy's growth).
+
+What the model attends to: `layer.keys` / `layer.values` are views `[S, G, w, d]` of the buffers
+with `w` the largest stored length; entries of a row past its own length are padding, masked by the
+4-D additive mask `attention_mask()` (None when every row has the same length, so that a single
+sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
+code is not patched.
 
 Positions are never compacted and stored keys are never re-rotated: the caller passes explicit
-absolute `position_ids` for every forward (see `set_step_positions`), because after a compaction the
+absolute `position_ids` for every forward (`set_step_positions`), because after a compaction the
 model would otherwise infer positions from the (shorter) cache length and silently decode garbage.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
 class RetentionLayer(DynamicLayer):
-    """One layer of the retention cache: `keys`/`values` `[B, G, n, d]`, `positions` `[B, G, n]`."""
+    """One layer: buffers `kbuf`/`vbuf` `[S, G, cap, d]`, `pbuf` `[S, G, cap]` (int64), `extra` name ->
+    `[S, G, cap, ...]`; `keys`/`values`/`positions` are views of the first `w` entries of every row."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        self.kbuf = self.vbuf = self.pbuf = None
         self.positions: torch.Tensor | None = None
+        self.extra: dict[str, torch.Tensor] = {}
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        b, g = key_states.shape[:2]
-        self.positions = torch.empty(b, g, 0, dtype=torch.long, device=key_states.device)
+    def allocate(self, rows: int, heads: int, cap: int, kdim: int, vdim: int, dtype, device) -> None:
+        self.device = device
+        self.kbuf = torch.zeros(rows, heads, cap, kdim, dtype=dtype, device=device)
+        self.vbuf = torch.zeros(rows, heads, cap, vdim, dtype=dtype, device=device)
+        self.pbuf = torch.full((rows, heads, cap), -1, dtype=torch.long, device=device)
+        self.extra = {}
+        self.is_initialized = True
+        self.set_width(0)
 
-    def append_positions(self, step_positions: torch.Tensor) -> None:
-        """Record the absolute positions `[B, q]` of the tokens just appended, for every KV head."""
-        b, g = self.keys.shape[:2]
-        new = step_positions.to(self.positions.device)[:, None, :].expand(b, g, -1)
-        self.positions = torch.cat([self.positions, new], dim=-1)
+    def set_width(self, w: int) -> None:
+        self.keys, self.values, self.positions = self.kbuf[:, :, :w], self.vbuf[:, :, :w], self.pbuf[:, :, :w]
 
-    def compact(self, keep: torch.Tensor) -> None:
-        """Keep only the stored tokens at indices `keep` `[B, G, k]` (int64, any order).
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Every per-token buffer (token axis 2), keys first."""
+        return {"k": self.kbuf, "v": self.vbuf, "p": self.pbuf, **{f"x.{k}": v for k, v in self.extra.items()}}
 
-        The result is stored in the order of `keep`; callers pass indices sorted ascending so that
-        tokens stay in position order. New tensors are allocated: the old ones are freed.
-        """
-        d = self.keys.shape[-1]
-        idx = keep[..., None].expand(-1, -1, -1, d)
-        self.keys = torch.gather(self.keys, 2, idx)
-        self.values = torch.gather(self.values, 2, keep[..., None].expand(-1, -1, -1, self.values.shape[-1]))
-        self.positions = torch.gather(self.positions, 2, keep)
+    def set_buffers(self, bufs: dict[str, torch.Tensor]) -> None:
+        self.kbuf, self.vbuf, self.pbuf = bufs["k"], bufs["v"], bufs["p"]
+        self.extra = {k[2:]: v for k, v in bufs.items() if k.startswith("x.")}
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kbuf is None else self.kbuf.shape[2]
+
+    def allocated_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self.kbuf, self.vbuf) if b is not None)
 
     def reset(self) -> None:
         super().reset()
-        self.positions = None
+        self.kbuf = self.vbuf = self.pbuf = self.positions = None
+        self.extra = {}
 
 
 @dataclass
 class CacheView:
-    """What a scorer sees at a compaction (read-only by convention).
+    """What a scorer sees at a compaction: the `B` rows due now, padded to the longest (read-only).
 
-    keys, values: `L` tensors `[B, G, n, d]` (post-RoPE keys exactly as the model stored them).
-    positions: `L` tensors `[B, G, n]` int64, original absolute positions.
-    protected: `L` tensors `[B, G, n]` bool, tokens that must be kept (sinks, recent window).
-    next_position: absolute position `t` of the next query.
+    keys, values: `L` tensors `[B, G, n, d]`; entries past a row's stored length are padding.
+    positions: `L` tensors `[B, G, n]` int64 absolute positions (padding -1).
+    protected: `L` tensors `[B, G, n]` bool (sinks, recent window, the prompt with `protect_prompt`);
+        never True on padding.
+    next_position: `[B]` int64, the absolute position of each row's next query (an int is accepted).
+    valid: `L` tensors `[B, G, n]` bool, False on padding (default: every entry valid).
+    prompt_length: `[B]` int64 (default 0).
+    slots: `[B]` int64, the engine slot of each row (default 0..B-1).
     """
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     positions: list[torch.Tensor]
     protected: list[torch.Tensor]
-    next_position: int
+    next_position: torch.Tensor | int
+    valid: list[torch.Tensor] | None = None
+    prompt_length: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+    extra: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self):
+        B, dev = self.keys[0].shape[0], self.keys[0].device
+        if not isinstance(self.next_position, torch.Tensor):
+            self.next_position = torch.full((B,), int(self.next_position), dtype=torch.long, device=dev)
+        if self.valid is None:
+            self.valid = [torch.ones_like(p, dtype=torch.bool) for p in self.positions]
+        if self.prompt_length is None:
+            self.prompt_length = torch.zeros(B, dtype=torch.long, device=dev)
+        if self.slots is None:
+            self.slots = torch.arange(B, device=dev)
 
     @property
     def num_layers(self) -> int:
         return len(self.keys)
 
+    @property
+    def uniform_next_position(self) -> int | None:
+        """The next position when every row shares it (a single sequence), else None."""
+        t = self.next_position
+        return int(t[0]) if bool((t == t[0]).all()) else None
+
 
 class RetentionCache(Cache):
-    """A transformers `Cache` of `RetentionLayer`s that a retention policy compacts between steps.
+    """A transformers `Cache` of `RetentionLayer`s over `S` rows that a policy compacts between steps.
 
-    Use: before every forward, `set_step_positions(position_ids)`; after the forward, the policy may
-    call `view(...)` and `compact(...)`. With no compaction this cache behaves exactly like
-    `DynamicCache` (same concatenation, same tensors), which the exactness tests hold.
+    Use: before every forward, `set_step_positions(position_ids)` (`[S, q]`); after it, the policy may
+    call `view(...)` and `compact_rows(...)`. `capacity`: tokens preallocated per row (grown by
+    doubling when exceeded); None starts at the first write's size. With no compaction and one row
+    this cache hands the model exactly what `DynamicCache` would, which the exactness tests hold.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, capacity: int | None = None):
         super().__init__(layers=[RetentionLayer() for _ in range(num_layers)])
+        self.capacity = capacity
+        self.lengths: list[int] = []  # stored tokens of each row (host copy: no device sync to read it)
+        self.slots: list[int] = []  # the engine slot each row holds (scorers key per-slot state by it)
+        self.prompt_lengths: list[int] = []  # prompt tokens of each row's sequence (the prompt rule)
         self._step_positions: torch.Tensor | None = None
+        self._write_at: list[int] = []
 
+    # -- writing ---------------------------------------------------------------------------------
     def set_step_positions(self, position_ids: torch.Tensor) -> None:
-        """Absolute positions `[B, q]` of the tokens the next forward appends."""
+        """Absolute positions `[S, q]` of the tokens the next forward appends (one row per slot)."""
         self._step_positions = position_ids
 
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def _ensure(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
+        first = self.layers[0]
+        if first.kbuf is None:
+            R, G, _, dk = key_states.shape
+            cap = max(self.capacity or 0, need)
+            for layer in self.layers:
+                layer.allocate(R, G, cap, dk, value_states.shape[-1], key_states.dtype, key_states.device)
+            self.lengths = [0] * R
+            self.slots = self.slots if len(self.slots) == R else list(range(R))
+            self.prompt_lengths = self.prompt_lengths if len(self.prompt_lengths) == R else [0] * R
+        elif need > first.capacity:
+            self._grow(max(2 * first.capacity, need))
+
+    def _grow(self, cap: int) -> None:
+        for layer in self.layers:
+            new = {}
+            for name, b in layer.buffers().items():
+                nb = torch.full((*b.shape[:2], cap, *b.shape[3:]), -1 if name == "p" else 0, dtype=b.dtype,
+                                device=b.device)
+                nb[:, :, : b.shape[2]] = b
+                new[name] = nb
+            layer.set_buffers(new)
+            layer.set_width(max(self.lengths, default=0))
+
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        """Write the `q` new tokens of every row at its own length; return the `[S, G, w, d]` views."""
         if self._step_positions is None:
             raise RuntimeError("RetentionCache.update called without set_step_positions()")
-        keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
-        self.layers[layer_idx].append_positions(self._step_positions)
-        return keys, values
+        q = key_states.shape[2]
+        if layer_idx == 0:
+            self._ensure(key_states, value_states, max(self.lengths, default=0) + q)
+            if key_states.shape[0] != self.rows:
+                raise RuntimeError(f"forward of {key_states.shape[0]} rows on a cache of {self.rows}")
+            self._write_at = list(self.lengths)
+        layer = self.layers[layer_idx]
+        pos = self._step_positions.to(layer.pbuf.device)[:, None, :].expand(-1, key_states.shape[1], -1)
+        at = self._write_at
+        if all(a == at[0] for a in at):  # every row at the same length: one slice write
+            s = slice(at[0], at[0] + q)
+            layer.kbuf[:, :, s], layer.vbuf[:, :, s], layer.pbuf[:, :, s] = key_states, value_states, pos
+            for b in layer.extra.values():  # per-token state of a new token starts at zero
+                b[:, :, s] = 0
+        else:  # rows at different lengths (decode, q = 1): scatter each row's token at its own index
+            if q != 1:
+                raise RuntimeError("a multi-token forward needs every row at the same stored length")
+            r = torch.arange(self.rows, device=layer.kbuf.device)
+            idx = torch.tensor(at, device=layer.kbuf.device)
+            layer.kbuf[r, :, idx] = key_states[:, :, 0]
+            layer.vbuf[r, :, idx] = value_states[:, :, 0]
+            layer.pbuf[r, :, idx] = pos[:, :, 0]
+            for b in layer.extra.values():
+                b[r, :, idx] = 0
+        layer.set_width(max(at) + q)
+        if layer_idx == len(self.layers) - 1:
+            self.lengths = [a + q for a in at]
+        return layer.keys, layer.values
+
+    def attention_mask(self, q: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive 4-D mask `[S, 1, q, w]` of the next forward (after its `q` tokens are written)
+        that hides each row's padding; None when every row will have the same length (no padding)."""
+        new = [n + q for n in self.lengths]
+        if all(n == new[0] for n in new):
+            return None
+        if q != 1:
+            raise RuntimeError("padded rows are decoded one token at a time")
+        dev = self.layers[0].kbuf.device
+        w = max(new)
+        valid = torch.arange(w, device=dev)[None, :] < torch.tensor(new, device=dev)[:, None]
+        mask = torch.zeros(len(new), 1, 1, w, dtype=dtype, device=dev)
+        return mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
+
+    # -- reading ---------------------------------------------------------------------------------
+    def valid_mask(self) -> torch.Tensor:
+        """`[S, w]` bool: entry `j` of row `r` holds a stored token (`j < lengths[r]`)."""
+        dev = self.layers[0].kbuf.device
+        w = self.layers[0].keys.shape[2]
+        return torch.arange(w, device=dev)[None, :] < torch.tensor(self.lengths, device=dev)[:, None]
+
+    def written_slots(self) -> torch.Tensor:
+        """`[S, q]` int64: the buffer index, in each row, of the `q` tokens the last forward wrote
+        (read it after the forward and before any compaction)."""
+        dev = self.layers[0].kbuf.device
+        at = torch.tensor(self._write_at, dtype=torch.long, device=dev)
+        q = self.lengths[0] - self._write_at[0] if self.lengths else 0
+        return at[:, None] + torch.arange(q, device=dev)[None, :]
 
     def stored_lengths(self) -> list[int]:
-        """Stored tokens per layer (every KV head of a layer holds the same number)."""
-        return [layer.get_seq_length() for layer in self.layers]
+        """Stored tokens per layer of a single-row cache (every layer and KV head holds the same)."""
+        return [max(self.lengths, default=0)] * len(self.layers)
 
-    def view(self, next_position: int, sink: int = 0, recent: int = 0) -> CacheView:
-        """A `CacheView` with sinks (`position < sink`) and the `recent` newest positions protected."""
-        positions = [layer.positions for layer in self.layers]
-        protected = [(p < sink) | (p >= next_position - recent) for p in positions]
-        return CacheView(
-            keys=[layer.keys for layer in self.layers],
-            values=[layer.values for layer in self.layers],
-            positions=positions,
-            protected=protected,
-            next_position=next_position,
-        )
+    def allocated_bytes(self) -> int:
+        """Bytes of the key and value buffers (all rows, all layers)."""
+        return sum(layer.allocated_bytes() for layer in self.layers)
+
+    def stored_bytes(self) -> int:
+        """Bytes of the keys and values actually stored (every row's length, all layers)."""
+        first = self.layers[0]
+        if first.kbuf is None:
+            return 0
+        per_token = sum(layer.kbuf[0, :, 0].numel() * layer.kbuf.element_size()
+                        + layer.vbuf[0, :, 0].numel() * layer.vbuf.element_size() for layer in self.layers)
+        return per_token * sum(self.lengths)
+
+    def view(self, next_position, sink: int = 0, recent: int = 0, rows: list[int] | None = None,
+             prompt_length=None, protect_prompt: bool = False, slots=None) -> CacheView:
+        """A `CacheView` over `rows` (default all): sinks (`position < sink`), the `recent` newest
+        positions (`>= next_position - recent`) and, with `protect_prompt`, the prompt protected.
+        next_position, prompt_length, slots: per row of the view (`[B]`) or one int for all."""
+        rows = list(range(self.rows)) if rows is None else list(rows)
+        dev = self.layers[0].kbuf.device
+        n = max(self.lengths[r] for r in rows)
+        whole = rows == list(range(self.rows))
+        ridx = torch.tensor(rows, device=dev)
+        lens = torch.tensor([self.lengths[r] for r in rows], device=dev)
+        B = len(rows)
+
+        def per_row(x, default):
+            x = default if x is None else x
+            if isinstance(x, torch.Tensor):
+                return x.to(dev)
+            if isinstance(x, (list, tuple)):
+                return torch.tensor(x, dtype=torch.long, device=dev)
+            return torch.full((B,), int(x), dtype=torch.long, device=dev)
+
+        t = per_row(next_position, 0)
+        plen = per_row(prompt_length, 0)
+        slots = per_row(slots, 0) if slots is not None else ridx.clone()
+        valid_1 = torch.arange(n, device=dev)[None, :] < lens[:, None]  # [B, n]
+
+        def take(b):
+            b = b[:, :, :n]
+            return b if whole else b.index_select(0, ridx)
+
+        keys, values, positions, protected, valid, extra = [], [], [], [], [], []
+        for layer in self.layers:
+            p = take(layer.pbuf)
+            ok = valid_1[:, None, :].expand_as(p)
+            p = p.masked_fill(~ok, -1)
+            prot = (p < sink) | (p >= t[:, None, None] - recent)
+            if protect_prompt:
+                prot = prot | (p < plen[:, None, None])
+            keys.append(take(layer.kbuf))
+            values.append(take(layer.vbuf))
+            positions.append(p)
+            protected.append(prot & ok)
+            valid.append(ok)
+            extra.append({k: take(v) for k, v in layer.extra.items()})
+        return CacheView(keys, values, positions, protected, t, valid, plen, slots, extra)
+
+    # -- evicting and moving rows ----------------------------------------------------------------
+    def compact_rows(self, rows: list[int], keep: torch.Tensor) -> None:
+        """Keep only the stored tokens at `keep` of each of `rows` (indices into the row's buffer):
+        `[B, G, k]` shared by all layers or `[L, B, G, k]` per layer, sorted ascending so that tokens
+        stay in position order. The kept tokens are gathered to the front of each row's own buffer."""
+        rows = list(rows)
+        k = keep.shape[-1]
+        dev = self.layers[0].kbuf.device
+        whole = rows == list(range(self.rows))
+        ridx = torch.tensor(rows, device=dev)
+        n = max(self.lengths[r] for r in rows)
+        for i, layer in enumerate(self.layers):
+            kp = (keep if keep.dim() == 3 else keep[i]).to(dev)
+            new = {}
+            for name, b in layer.buffers().items():
+                src = b[:, :, :n] if whole else b.index_select(0, ridx)[:, :, :n]
+                idx = kp.reshape(*kp.shape, *([1] * (b.dim() - 3))).expand(*kp.shape, *b.shape[3:])
+                new[name] = torch.gather(src, 2, idx)
+            for name, b in layer.buffers().items():
+                if whole:
+                    b[:, :, :k] = new[name]
+                else:
+                    b[ridx, :, :k] = new[name]
+        for r in rows:
+            self.lengths[r] = k
+        w = max(self.lengths)
+        for layer in self.layers:
+            layer.set_width(w)
 
     def compact(self, keep: torch.Tensor) -> None:
-        """Evict everything but `keep`: `[B, G, k]` shared by all layers, or `[L, B, G, k]` per layer."""
-        for i, layer in enumerate(self.layers):
-            layer.compact(keep if keep.dim() == 3 else keep[i])
+        """Evict everything but `keep` in every row: `[S, G, k]` shared by all layers, or `[L, S, G, k]`."""
+        self.compact_rows(list(range(self.rows)), keep)
+
+    def add_extra(self, layer_idx: int, name: str, tail: tuple = (), dtype=torch.float32) -> torch.Tensor:
+        """Register (once) per-token state `[S, G, cap, *tail]` (zeros) that follows every compaction,
+        row move and growth exactly like the keys; returns the buffer."""
+        layer = self.layers[layer_idx]
+        if name not in layer.extra:
+            S, G, cap = layer.pbuf.shape
+            layer.extra[name] = torch.zeros(S, G, cap, *tail, dtype=dtype, device=layer.pbuf.device)
+        return layer.extra[name]
+
+    def load_row(self, row: int, src: RetentionCache, src_row: int = 0) -> None:
+        """Replace `row` with row `src_row` of `src` (a finished prefill): its stored tokens, positions
+        and per-token state. Entries past the new length keep stale data, masked as padding."""
+        n = src.lengths[src_row]
+        if n > self.layers[0].capacity:
+            self._grow(max(2 * self.layers[0].capacity, n))
+        for dst_l, src_l in zip(self.layers, src.layers):
+            for name, b in src_l.extra.items():
+                if name not in dst_l.extra:
+                    S, G, cap = dst_l.pbuf.shape
+                    dst_l.extra[name] = torch.zeros(S, G, cap, *b.shape[3:], dtype=b.dtype, device=b.device)
+            for name, b in dst_l.buffers().items():
+                sb = src_l.buffers().get(name)
+                if sb is None:
+                    b[row].zero_()
+                else:
+                    b[row, :, :n] = sb[src_row, :, :n]
+        self.lengths[row] = n
+        self.slots[row], self.prompt_lengths[row] = src.slots[src_row], src.prompt_lengths[src_row]
+        w = max(self.lengths)
+        for layer in self.layers:
+            layer.set_width(w)
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only `rows`, in this order (drops finished slots when no sequence is left to start)."""
+        dev = self.layers[0].kbuf.device
+        ridx = torch.tensor(rows, device=dev)
+        for layer in self.layers:
+            layer.set_buffers({k: b.index_select(0, ridx) for k, b in layer.buffers().items()})
+        self.lengths = [self.lengths[r] for r in rows]
+        self.slots = [self.slots[r] for r in rows]
+        self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
+        w = max(self.lengths, default=0)
+        for layer in self.layers:
+            layer.set_width(w)
+
+    @classmethod
+    def empty_like(cls, other: RetentionCache, rows: int, capacity: int) -> RetentionCache:
+        """A cache of `rows` empty rows with `other`'s geometry, `capacity` tokens preallocated."""
+        c = cls(len(other.layers), capacity)
+        for layer, ol in zip(c.layers, other.layers):
+            layer.allocate(rows, ol.kbuf.shape[1], capacity, ol.kbuf.shape[-1], ol.vbuf.shape[-1], ol.kbuf.dtype,
+                           ol.kbuf.device)
+        c.lengths, c.slots, c.prompt_lengths = [0] * rows, list(range(rows)), [0] * rows
+        return c

@@ -5,8 +5,12 @@ when one kept set per KV head is shared by all layers, or `[L, B, G, n]` when it
 (`per_layer = True`). Higher means keep. A selector turns scores into kept indices; the default
 is top-k per row with protected tokens forced in. Scorers that need more than the cache (recorded
 queries, accumulated attention) get it through `attach` (a context manager active for the whole
-generation), `observe` (called after every forward) and `compacted` (called with the kept indices so
-per-token state can follow the eviction).
+run), `observe` (called after every forward), `compacted` (called with the kept indices so state can
+follow the eviction) and `reset_slot` (called when an engine slot starts a new sequence).
+
+Batched views (`retention.cache.CacheView`): rows are the slots due now, padded to the longest; a
+scorer scores padding `-inf` (the shared selector masks it too), so padding is never kept and never
+outranks a real token. Per-slot state is indexed by `view.slots` / `cache.slots`.
 
 Adding a scorer: one module in this package with a class decorated by `@register("name")`, listed in
 `retention.scorers._MODULES`.
@@ -23,14 +27,18 @@ import torch
 from retention.cache import CacheView
 
 
-def topk_keep(scores: torch.Tensor, protected: torch.Tensor, k: int) -> torch.Tensor:
+def topk_keep(scores: torch.Tensor, protected: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the `k` best tokens per row, protected tokens first, sorted ascending.
 
-    scores: `[..., n]` float; protected: `[..., n]` bool (at most `k` per row). Returns `[..., k]` int64.
+    scores: `[..., n]` float; protected: `[..., n]` bool (at most `k` per row); valid: `[..., n]` bool,
+    False on padding (scored `-inf`, so never kept while `k` real tokens exist). Returns `[..., k]` int64.
     Ties go to the lower index (stable sort), the same rule as a greedy `argmax` pick, which is what
     makes `alpha` at lambda = 0 reproduce this selection bit for bit.
     """
-    s = scores.float().masked_fill(protected, float("inf"))
+    s = scores.float()
+    if valid is not None:
+        s = s.masked_fill(~valid, float("-inf"))
+    s = s.masked_fill(protected, float("inf"))
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.sort(order, dim=-1).values
 
@@ -48,22 +56,32 @@ class Scorer:
     evicts: ClassVar[bool] = True
 
     def attach(self, model) -> contextlib.AbstractContextManager:
-        """Set-up for one generation on `model` (load statistics, start recording queries)."""
+        """Set-up for one run on `model` (load statistics, start recording queries)."""
         return contextlib.nullcontext()
 
-    def observe(self, cache, next_position: int) -> None:
-        """Called after every forward (prefill included), before any compaction."""
+    def reset_slot(self, slot: int, seed: int) -> None:
+        """Engine slot `slot` starts a new sequence whose seed is `seed`: drop that slot's state."""
+
+    def observe(self, cache, next_position: list[int]) -> None:
+        """Called after every forward (prefill included), before any compaction; `next_position`
+        holds each cache row's next query position (`cache.slots[r]` is row `r`'s slot)."""
 
     def score(self, view: CacheView) -> torch.Tensor:
         raise NotImplementedError
 
-    def select(self, scores: torch.Tensor, view: CacheView, k: int) -> torch.Tensor:
-        """Kept indices `[B, G, k]` (or `[L, B, G, k]` per layer), sorted ascending."""
-        protected = torch.stack(view.protected) if self.per_layer else view.protected[0]
-        return topk_keep(scores, protected, k)
+    def masks(self, view: CacheView) -> tuple[torch.Tensor, torch.Tensor]:
+        """(protected, valid) shaped like the scores: `[B, G, n]` or `[L, B, G, n]` per layer."""
+        if self.per_layer:
+            return torch.stack(view.protected), torch.stack(view.valid)
+        return view.protected[0], view.valid[0]
 
-    def compacted(self, keep: torch.Tensor) -> None:
-        """Called with the kept indices after every compaction."""
+    def select(self, scores: torch.Tensor, view: CacheView, k: int) -> torch.Tensor:
+        """Kept indices `[B, G, k]` (or `[L, B, G, k]` per layer), sorted ascending; padding never kept."""
+        protected, valid = self.masks(view)
+        return topk_keep(scores, protected, k, valid)
+
+    def compacted(self, keep: torch.Tensor, view: CacheView) -> None:
+        """Called with the kept indices (of the rows of `view`) after every compaction."""
 
 
 @dataclass
@@ -71,7 +89,8 @@ class WindowScorer(Scorer):
     """A scorer that reads the queries the model computes (`retention.capture`) and protects its
     `window` newest tokens (counted inside `b` by the cadence through `min_recent`).
 
-    While attached, `self._recorder` holds the query recorder; `reset()` clears per-generation state.
+    While attached, `self._recorder` holds the query recorder; `reset()` (called by the engine when a run
+    starts) clears per-run state; `reset_slot` that of one slot.
     """
 
     per_layer: ClassVar[bool] = True
@@ -95,7 +114,6 @@ class WindowScorer(Scorer):
     def _attached(self, model):
         from retention.capture import capture_queries
 
-        self.reset()
         with capture_queries(model) as rec:
             self._recorder = rec
             try:

@@ -13,4 +13,4 @@ class Streaming(Scorer):
 
     def score(self, view):
         """Score = absolute position `[B, G, n]`: top-k keeps the newest; sinks are protected."""
-        return view.positions[0].float()
+        return view.positions[0].float().masked_fill(~view.valid[0], float("-inf"))

@@ -38,3 +38,32 @@ def test_bench_tiny(tmp_path):
 def test_bench_unknown_scorer_fails_fast():
     res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--scorers", "full,nope"])
     assert res.exit_code != 0 and "unknown scorer" in res.output
+
+
+def test_bench_batched_lockstep_rows(tmp_path):
+    """One row per (variant, accounting, batch size, context); allocated cache per sequence is
+    exactly `(b + N)` tokens for an evicting policy and at most twice what is stored for `full`."""
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--scorers", "dynamic-cache,ideal-crop,full,streaming",
+                                    "--budget", "24", "--interval", "8", "--new-tokens", "12", "--problems", "0",
+                                    "--batch-sizes", "1,3", "--context", "40", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    fig = json.loads(out.read_text())
+    keys = [(r["variant"], r["batch_size"], r["context"]) for r in fig["speed"]]
+    assert keys == [(v, s, 40) for s in (1, 3) for v in ("dynamic-cache", "ideal-crop", "full", "streaming")]
+    token_bytes = 4 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
+    for r in fig["speed"]:
+        assert r["prompt_tokens"] == 40 and r["steps"] == 11
+        assert r["tokens_per_second"] > 0 and r["step_ms_median"] > 0 and 0 <= r["compaction_share"] < 1
+        if r["variant"] == "streaming":
+            assert r["allocated_bytes_per_sequence"] == (24 - 4 - 1 + 8) * token_bytes
+            assert r["cache_mean_tokens"] <= 24
+        if r["variant"] == "full":
+            assert r["stored_bytes_per_sequence"] <= r["allocated_bytes_per_sequence"] <= 2 * r["stored_bytes_per_sequence"]
+        if r["variant"] == "ideal-crop":
+            assert r["cache_peak_tokens"] == 25
+
+
+def test_bench_bad_lists_fail_with_one_line():
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--batch-sizes", "1,x"])
+    assert res.exit_code != 0 and "--batch-sizes" in res.output and "Traceback" not in res.output

@@ -97,34 +97,35 @@ def test_meter_bounds_each_accounting_mode(tiny, name, budget, interval):
     assert means["peak"] < means["mean"] < means["prefill"]
 
 
-def test_eviction_is_physical(tiny):
-    """After every compaction each layer's tensors hold exactly what the meter counts."""
+def test_eviction_is_physical(tiny, monkeypatch):
+    """After every compaction each layer's view holds exactly what the meter counts, in the
+    preallocated buffers (`b + N` per row: nothing is reallocated)."""
     pol = policy("streaming", 48, 12)
     seen = []
 
     class Spy(type(pol.scorer)):
-        def compacted(self, keep):
+        def compacted(self, keep, view):
             seen.append(keep.shape[-1])
 
     pol.scorer = Spy()
     from retention.cache import RetentionCache
 
-    real_compact = RetentionCache.compact
+    real_compact = RetentionCache.compact_rows
     sizes = []
 
-    def compact(self, keep):
-        real_compact(self, keep)
+    def compact_rows(self, rows, keep):
+        real_compact(self, rows, keep)
+        cap = pol.cadence.nominal + pol.cadence.interval
         for layer in self.layers:
             n = layer.get_seq_length()
             assert layer.keys.numel() == layer.keys.shape[0] * layer.keys.shape[1] * n * layer.keys.shape[-1]
             assert layer.keys.shape[-2] == layer.values.shape[-2] == layer.positions.shape[-1]
+            if self.capacity == cap:  # the batch cache (the prefill's own cache holds the prompt)
+                assert layer.kbuf.shape[2] == cap
             sizes.append(n)
 
-    RetentionCache.compact = compact
-    try:
-        g = generate(tiny.model, PROMPT, pol, greedy(100), set(), 1.0)
-    finally:
-        RetentionCache.compact = real_compact
+    monkeypatch.setattr(RetentionCache, "compact_rows", compact_rows)
+    g = generate(tiny.model, PROMPT, pol, greedy(100), set(), 1.0)
     assert sizes and set(sizes) == {pol.cadence.nominal}
     assert g.meter.final <= pol.cadence.nominal + pol.cadence.interval
     assert seen and set(seen) == {pol.cadence.nominal}

@@ -173,16 +173,17 @@ def ref_importance(q, keys, cand_idx):
     return [max(mean[max(0, c - 3):c + 4]) for c in range(n_c)]  # kernel 7, stride 1, same padding
 
 
-def ref_redundancy(keys, positions, cand_idx, thr=0.5):
-    n_c = len(cand_idx)
-    kn = [keys[j].double() / max(float(keys[j].double().norm()), 1e-8) for j in cand_idx]
-    S = [[0.0 if a == c else float(kn[a] @ kn[c]) for c in range(n_c)] for a in range(n_c)]
-    for a in range(n_c):
-        dups = [c for c in range(n_c) if c != a and S[a][c] > thr]
-        if dups:
-            latest = max(dups, key=lambda c: int(positions[cand_idx[c]]))
-            S[a][latest] = 0.0
-    col = [sum(S[a][c] for a in range(n_c)) / n_c for c in range(n_c)]
+def ref_redundancy(keys, thr=0.5):
+    """R-KV redundancy over all n stored slots (window included), plain Python float64, as the
+    golden README states the reference: k / (|k| + 1e-8), diagonal 0, zero each row's largest
+    partner slot (slot 0 when it has none), column mean over n rows, softmax over n."""
+    n = keys.shape[0]
+    kn = [keys[j].double() / (float(keys[j].double().norm()) + 1e-8) for j in range(n)]
+    S = [[0.0 if a == c else float(kn[a] @ kn[c]) for c in range(n)] for a in range(n)]
+    for a in range(n):
+        dups = [c for c in range(n) if c != a and S[a][c] > thr]
+        S[a][max(dups) if dups else 0] = 0.0
+    col = [sum(S[a][c] for a in range(n)) / n for c in range(n)]
     m = max(col)
     e = [math.exp(x - m) for x in col]
     return [x / sum(e) for x in e]
@@ -198,7 +199,8 @@ def ref_window_scores(view, queries, lam=None):
                 q = queries[l][b, g * R:(g + 1) * R]
                 imp = ref_importance(q, view.keys[l][b, g], cand)
                 if lam is not None:
-                    red = ref_redundancy(view.keys[l][b, g], pos, cand)
+                    red_all = ref_redundancy(view.keys[l][b, g])
+                    red = [red_all[j] for j in cand]
                     imp = [lam * x - (1 - lam) * y for x, y in zip(imp, red)]
                 for c, j in enumerate(cand):
                     out[l, b, g, j] = imp[c]
@@ -240,8 +242,8 @@ def test_rkv_matches_reference():
 
 
 def test_rkv_keeps_the_newest_of_near_duplicates():
-    """Three near-identical keys: the newest is nobody's ... it is everybody's most recent duplicate,
-    so its column loses their similarity and it scores as the least redundant of the three."""
+    """Three near-identical keys: the newest (largest slot) is everybody's most recent duplicate, so
+    its column loses their similarity and it scores as the least redundant of the three."""
     from retention.scorers.rkv import key_redundancy
 
     gen = torch.Generator().manual_seed(11)
@@ -249,8 +251,7 @@ def test_rkv_keeps_the_newest_of_near_duplicates():
     base = torch.randn(16, generator=gen)
     for j in (2, 5, 7):
         keys[0, 0, j] = base + 0.01 * torch.randn(16, generator=gen)
-    pos = torch.arange(9)[None, None]
-    red = key_redundancy(keys, pos, torch.ones(1, 1, 9, dtype=torch.bool))[0, 0]
+    red = key_redundancy(keys, torch.ones(1, 1, 9, dtype=torch.bool))[0, 0]
     assert red[7] < red[2] and red[7] < red[5]
     torch.testing.assert_close(red.sum(), torch.tensor(1.0))
 
@@ -301,42 +302,67 @@ def test_h2o_attention_mass_matches_reference():
 
 def test_h2o_accumulator_follows_compaction():
     """Accumulated mass per token == the sum of the mass it received at every step while stored,
-    tracked independently by absolute position, across a per-layer compaction."""
+    tracked independently by absolute position, across a per-layer compaction. (The accumulator
+    lives in the cache as per-token state, so the compaction moves it with the keys.)"""
+    from retention.cache import RetentionCache
+
     gen = torch.Generator().manual_seed(14)
     sc = make_scorer("h2o", window=2)
     n_layers = 2
-    store = [{"k": torch.empty(1, G, 0, D), "p": torch.empty(1, G, 0, dtype=torch.long)} for _ in range(n_layers)]
+    cache = RetentionCache(n_layers)
     ref = [dict() for _ in range(n_layers)]  # (g, position) -> mass
 
     def step(first_pos, q_len):
+        new = torch.arange(first_pos, first_pos + q_len)
+        cache.set_step_positions(new[None])
+        calls = []
         for l in range(n_layers):
-            st = store[l]
-            st["k"] = torch.cat([st["k"], torch.randn(1, G, q_len, D, generator=gen)], 2)
-            new = torch.arange(first_pos, first_pos + q_len)
-            st["p"] = torch.cat([st["p"], new[None, None].expand(1, G, -1)], 2)
+            keys, _ = cache.update(torch.randn(1, G, q_len, D, generator=gen), torch.zeros(1, G, q_len, D), l)
             query = torch.randn(1, HQ, q_len, D, generator=gen)
-            sc.accumulate(l, query, st["k"], st["p"], SCALE)
-            m = ref_mass(query, st["k"], st["p"], new[None], SCALE)
+            calls.append(SimpleNamespace(query=query, scaling=SCALE))
+        sc._recorder = SimpleNamespace(take=lambda c: calls)
+        sc.observe(cache, [first_pos + q_len])
+        for l in range(n_layers):
+            layer = cache.layers[l]
+            m = ref_mass(calls[l].query, layer.keys, layer.positions, new[None], SCALE)
             for g in range(G):
-                for j in range(st["p"].shape[-1]):
-                    key = (g, int(st["p"][0, g, j]))
+                for j in range(layer.positions.shape[-1]):
+                    key = (g, int(layer.positions[0, g, j]))
                     ref[l][key] = ref[l].get(key, 0.0) + float(m[0, g, j])
 
     step(0, 7)
     step(7, 1)
     keep = torch.stack([torch.tensor([[[0, 2, 5, 7], [1, 3, 6, 7]]]), torch.tensor([[[1, 2, 3, 7], [0, 4, 5, 6]]])])
-    for l in range(n_layers):
-        store[l]["k"] = torch.gather(store[l]["k"], 2, keep[l][..., None].expand(-1, -1, -1, D))
-        store[l]["p"] = torch.gather(store[l]["p"], 2, keep[l])
-    sc.compacted(keep)
+    cache.compact(keep)
     step(8, 1)
     step(9, 1)
+    view = cache.view(10)
     for l in range(n_layers):
-        got = sc._acc[l]
-        want = torch.tensor([[[ref[l][(g, int(p))] for p in store[l]["p"][0, g]] for g in range(G)]],
+        got = view.extra[l][sc.EXTRA]
+        want = torch.tensor([[[ref[l][(g, int(p))] for p in view.positions[l][0, g]] for g in range(G)]],
                             dtype=torch.float64)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    view = CacheView([s["k"] for s in store], [s["k"] for s in store], [s["p"] for s in store],
-                     [torch.zeros_like(s["p"], dtype=torch.bool) for s in store], 10)
-    scores = sc.score(view)
-    assert torch.isinf(scores[:, :, :, -2:]).all() and torch.isfinite(scores[:, :, :, :-2]).all()
+    keep = sc.select(sc.score(view), view, 5)
+    assert bool((keep[..., -2:] == torch.tensor([4, 5])).all())  # window=2: the two newest slots kept
+
+
+def test_h2o_splits_the_budget_evenly_by_default():
+    """Default H2O: k - k//2 newest tokens plus the k//2 heaviest of the rest (the reference split),
+    whatever the accumulated mass of the recent ones."""
+    from retention.scorers.h2o import heavy_recent_keep, recent_mask
+
+    sc = make_scorer("h2o")
+    assert sc.window is None and sc.min_recent() == 0
+    n = 12
+    mass = torch.arange(n, 0, -1, dtype=torch.float32).expand(1, 1, 1, n).clone()  # older = heavier
+    pos = torch.arange(n).expand(1, 1, n)
+    view = CacheView([torch.zeros(1, 1, n, 1)], [torch.zeros(1, 1, n, 1)], [pos], [torch.zeros(1, 1, n, dtype=torch.bool)], n,
+                     extra=[{sc.EXTRA: mass[0]}])
+    assert sc.select(sc.score(view), view, 7)[0, 0, 0].tolist() == [0, 1, 2, 8, 9, 10, 11]  # 3 heavy + 4 recent
+    assert sc.select(sc.score(view), view, 6)[0, 0, 0].tolist() == [0, 1, 2, 9, 10, 11]
+    # padding (invalid slots after the stored ones) is neither recent nor kept
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, -3:] = False
+    assert recent_mask(valid, 2)[0].nonzero().flatten().tolist() == [7, 8]
+    keep = heavy_recent_keep(mass[0, 0], valid, torch.zeros_like(valid), 2, 2)
+    assert keep[0].tolist() == [0, 1, 7, 8]

@@ -1,0 +1,200 @@
+"""The batched engine: batch invariance for every scorer, exactness at an unlimited budget, meter
+bounds per sequence, slot refill never leaking the previous sequence, seeded sampling at any batch."""
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from retention.calibration import calibrate
+from retention.engine import Request, SamplingConfig, cache_kwarg, run_engine
+from retention.policy import RetentionPolicy, cadence_for
+from retention.scorers import available, make_scorer
+
+# Eight prompts of different lengths (13..69 tokens), so rows are padded and compact at different steps.
+PROMPTS = [list(range(3 + i, 16 + 8 * i)) for i in range(8)]
+SCORERS = ["full", "random", "streaming", "triattention", "alpha", "snapkv", "rkv", "h2o"]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny):
+    """tiny-random in float64: batched and single decodes agree to the last token there."""
+    return copy.deepcopy(tiny.model).to(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def stats_path(tiny, tmp_path_factory):
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
+    return str(calibrate(tiny.model, ids).save(tmp_path_factory.mktemp("stats") / "tiny.safetensors"))
+
+
+def make_policy(name, stats_path, budget=24, interval=8, accounting="mean", protect_prompt=False):
+    sc = make_scorer(name, stats=stats_path)
+    return RetentionPolicy(sc, cadence_for(sc, budget, interval, accounting, protect_prompt=protect_prompt))
+
+
+def decode(model, prompts, policy, cfg, eos=frozenset(), batch_size=1, seeds=None, **kw):
+    """{request index: Generation} from one engine run over `prompts`."""
+    out = {}
+    reqs = [Request(i, p, (seeds or {}).get(i, i)) for i, p in enumerate(prompts)]
+    stats = run_engine(model, reqs, policy, cfg, set(eos), 1.0, batch_size=batch_size,
+                       on_finish=lambda r, g: out.__setitem__(r.key, g), **kw)
+    return out, stats
+
+
+def test_every_scorer_is_covered():
+    assert set(SCORERS) == set(available())
+
+
+@pytest.fixture(scope="module")
+def eos_ids(tiny64, stats_path):
+    """Token ids that end the eight sequences at different steps (read off a full-cache decode)."""
+    cfg = SamplingConfig(max_new_tokens=40, ignore_eos=True)
+    gens, _ = decode(tiny64, PROMPTS, make_policy("full", stats_path), cfg, batch_size=8)
+    return {gens[i].token_ids[6 + 4 * i] for i in range(0, 8, 2)}
+
+
+@pytest.mark.parametrize("protect_prompt", [False, True], ids=["", "protect-prompt"])
+@pytest.mark.parametrize("name", SCORERS)
+def test_batch_invariance_float64(tiny64, stats_path, eos_ids, name, protect_prompt):
+    """Each sequence decoded in a batch of 8 (and of 3, refilled as slots free) has exactly the token
+    ids, finish reason and meter of the same sequence decoded alone."""
+    cfg = SamplingConfig(max_new_tokens=40)
+    pol = lambda: make_policy(name, stats_path, protect_prompt=protect_prompt)  # noqa: E731
+    alone = {i: decode(tiny64, [p], pol(), cfg, eos_ids, seeds={0: i})[0][0] for i, p in enumerate(PROMPTS)}
+    assert len({len(g.token_ids) for g in alone.values()}) >= 3  # different EOS times
+    for bs in (8, 3):
+        batched, _ = decode(tiny64, PROMPTS, pol(), cfg, eos_ids, batch_size=bs)
+        for i, g in alone.items():
+            b = batched[i]
+            assert b.token_ids == g.token_ids, (bs, i)
+            assert b.finish_reason == g.finish_reason
+            assert b.meter.summary() == g.meter.summary()
+    if name != "full":
+        assert any(g.meter.compactions > 0 for g in alone.values())
+
+
+@pytest.mark.parametrize("name", ["streaming", "alpha", "h2o"])
+def test_batched_logits_float32(tiny, stats_path, name):
+    cfg = SamplingConfig(max_new_tokens=24, ignore_eos=True)
+    batched, _ = decode(tiny.model, PROMPTS, make_policy(name, stats_path), cfg, batch_size=8, keep_logits=True)
+    for i, p in enumerate(PROMPTS[:4]):
+        g = decode(tiny.model, [p], make_policy(name, stats_path), cfg, keep_logits=True, seeds={0: i})[0][0]
+        assert batched[i].token_ids == g.token_ids
+        for a, b in zip(batched[i].step_logits, g.step_logits):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def dynamic_cache_greedy(model, prompt, n):
+    """Greedy decode of one sequence with transformers' own DynamicCache: ids and per-step logits."""
+    kw = cache_kwarg(model)
+    cache = DynamicCache(config=model.config)
+    toks, logits = [], []
+    with torch.inference_mode():
+        lg = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1, **{kw: cache}).logits[0, -1]
+        for _ in range(n):
+            logits.append(lg)
+            toks.append(int(lg.argmax()))
+            lg = model(input_ids=torch.tensor([[toks[-1]]]), use_cache=True, logits_to_keep=1, **{kw: cache}).logits[0, -1]
+    return toks, logits
+
+
+@pytest.mark.parametrize("name", ["full", "streaming"])
+def test_unlimited_budget_equals_dynamic_cache(tiny, stats_path, name):
+    """At a budget no sequence reaches, every batched slot decodes what DynamicCache decodes alone."""
+    n = 20
+    cfg = SamplingConfig(max_new_tokens=n, ignore_eos=True)
+    batched, _ = decode(tiny.model, PROMPTS, make_policy(name, stats_path, budget=4096, interval=None), cfg,
+                        batch_size=5, keep_logits=True)
+    for i, p in enumerate(PROMPTS):
+        toks, logits = dynamic_cache_greedy(tiny.model, p, n)
+        assert batched[i].token_ids == toks and batched[i].meter.compactions == 0
+        for a, b in zip(batched[i].step_logits, logits):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@dataclass
+class CheckedPolicy(RetentionPolicy):
+    """After every forward: each row's meter counts what its row stores, and the view holds it."""
+
+    def after_forward(self, cache, next_position, meter, prefill):
+        meters = [meter] if cache.rows == 1 else meter
+        valid = cache.valid_mask()
+        for r, m in enumerate(meters):
+            assert int(valid[r].sum()) == cache.lengths[r] == m.final
+        per_token = sum(2 * ly.kbuf[0, :, 0].numel() * ly.kbuf.element_size() for ly in cache.layers)
+        assert cache.stored_bytes() == per_token * sum(cache.lengths)
+        return super().after_forward(cache, next_position, meter, prefill)
+
+
+@pytest.mark.parametrize("accounting", ["mean", "peak", "prefill"])
+def test_meter_bounds_per_sequence_batched(tiny, stats_path, accounting):
+    budget, interval = 24, 8
+    sc = make_scorer("h2o")
+    pol = CheckedPolicy(sc, cadence_for(sc, budget, interval, accounting))
+    b = pol.cadence.nominal
+    cfg = SamplingConfig(max_new_tokens=40, ignore_eos=True)
+    gens, stats = decode(tiny.model, PROMPTS, pol, cfg, batch_size=4)
+    for g in gens.values():
+        m = g.meter
+        assert m.steps == 39 and m.compactions >= 3 and m.peak <= b + interval
+        if accounting == "mean":
+            assert m.mean <= budget and not m.exceeded
+        elif accounting == "peak":
+            assert m.peak <= budget
+        else:
+            assert m.mean > budget and m.exceeded
+    # Allocated = rows x (b + N) x bytes per token exactly (K and V, 4 layers, 2 heads, d 16, float32).
+    assert stats.allocated_bytes == 4 * (b + interval) * 4 * 2 * 2 * 16 * 4
+
+
+def test_refilled_slot_never_sees_the_previous_sequence(tiny, stats_path, monkeypatch):
+    """Oracle: poison every row's buffer past its stored length whenever a row is (re)loaded; a
+    sequence started in a reused slot still decodes exactly what it decodes alone."""
+    from retention.cache import RetentionCache
+
+    real = RetentionCache.load_row
+
+    def poisoned(self, row, src, src_row=0):
+        real(self, row, src, src_row)
+        n = self.lengths[row]
+        for layer in self.layers:
+            layer.kbuf[row, :, n:] = 1e4
+            layer.vbuf[row, :, n:] = -1e4
+
+    monkeypatch.setattr(RetentionCache, "load_row", poisoned)
+    cfg = SamplingConfig(max_new_tokens=16)
+    first, _ = decode(tiny.model, PROMPTS[:1], make_policy("full", stats_path), cfg)
+    eos = {first[0].token_ids[3]}  # the long first sequence ends early, its slot is refilled
+    prompts = [PROMPTS[7], PROMPTS[0], PROMPTS[1], PROMPTS[6]]
+    batched, _ = decode(tiny.model, prompts, make_policy("streaming", stats_path), cfg, eos, batch_size=2,
+                        keep_logits=True)
+    for i, p in enumerate(prompts):
+        g = decode(tiny.model, [p], make_policy("streaming", stats_path), cfg, eos, keep_logits=True)[0][0]
+        assert batched[i].token_ids == g.token_ids
+        for a, b in zip(batched[i].step_logits, g.step_logits):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_does_not_depend_on_the_batch(tiny64, stats_path):
+    cfg = SamplingConfig(max_new_tokens=30, temperature=0.9, top_p=0.9, ignore_eos=True)
+    seeds = {i: 1000 + i for i in range(8)}
+    one, _ = decode(tiny64, PROMPTS, make_policy("alpha", stats_path), cfg, batch_size=1, seeds=seeds)
+    eight, _ = decode(tiny64, PROMPTS, make_policy("alpha", stats_path), cfg, batch_size=8, seeds=seeds)
+    assert all(one[i].token_ids == eight[i].token_ids for i in range(8))
+    other, _ = decode(tiny64, PROMPTS, make_policy("alpha", stats_path), cfg, batch_size=8,
+                      seeds={i: 2000 + i for i in range(8)})
+    assert any(one[i].token_ids != other[i].token_ids for i in range(8))
+
+
+def test_fidelity_batched_equals_alone(tiny64, stats_path):
+    cfg = SamplingConfig(max_new_tokens=24, ignore_eos=True)
+    batched, _ = decode(tiny64, PROMPTS, make_policy("alpha", stats_path), cfg, batch_size=8, fidelity=True)
+    for i, p in enumerate(PROMPTS):
+        g = decode(tiny64, [p], make_policy("alpha", stats_path), cfg, fidelity=True, seeds={0: i})[0][0]
+        a, b = batched[i].fidelity.summary(), g.fidelity.summary()
+        assert a["first_divergence_step"] == b["first_divergence_step"] and a["steps"] == b["steps"] == 24
+        assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-9, abs=1e-12)
+    assert max(g.fidelity.summary()["kl_max"] for g in batched.values()) > 0
