@@ -14,7 +14,10 @@ WIDTH = 100  # fixed, so the text does not depend on the terminal it was generat
 
 
 def help_text(cmd: click.Command, name: str) -> str:
-    with click.Context(cmd, info_name=name, terminal_width=WIDTH, max_content_width=WIDTH) as ctx:
+    # The CLI's own help option names: click caches a command's help option at its first real
+    # invocation, so rendering without them would depend on whether a test ran the CLI first.
+    with click.Context(cmd, info_name=name, terminal_width=WIDTH, max_content_width=WIDTH,
+                       help_option_names=main.context_settings["help_option_names"]) as ctx:
         return cmd.get_help(ctx)
 
 
