@@ -26,7 +26,7 @@ class LayoutCache:
         self.group_of_store = {s.name: self.group_of_layer[s.writer] for s in layout.stores}
         self.tensors: dict[str, torch.Tensor] = {}
         self.positions: list[torch.Tensor | None] = [None] * len(self.groups)
-        # Called as observer(layer, probs [B, G, q, n]) by every attention (attention-based scorers).
+        # Called as observer(layer, probs [B, G, q, n]) through `note_attention` (attention-based scorers).
         self.observer = None
         # Per-forward values handed between the layers of a path (never cached memory).
         self.scratch: dict = {}
@@ -43,6 +43,16 @@ class LayoutCache:
         old = self.tensors.get(name)
         self.tensors[name] = x if old is None else torch.cat([old, x], 2)
         return self.tensors[name]
+
+    def note_attention(self, layer: int, probs: torch.Tensor) -> None:
+        """Hand `layer`'s attention probabilities `[B, X, r, q, n]` (X groups of r query heads) to
+        the observer, summed to the cache's eviction heads: `[B, G, q, n]`."""
+        if self.observer is None:
+            return
+        summed = probs.sum(2)
+        b, x, q, n = summed.shape
+        g = self.layout.kv_heads
+        self.observer(layer, summed if x == g else summed.view(b, g, x // g, q, n).sum(2))
 
     def read(self, name: str) -> torch.Tensor:
         return self.tensors[name]

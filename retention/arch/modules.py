@@ -61,17 +61,14 @@ def attend(q, k, v, q_pos, k_pos, scale: float, cache: LayoutCache, layer: int) 
     b, h, nq, _ = q.shape
     g = k.shape[1]
     scores = torch.einsum("bgrqd,bgnd->bgrqn", q.view(b, g, h // g, nq, -1), k) * scale
-    probs = softmax_masked(scores, causal_mask(q_pos, k_pos), cache, layer)
+    probs = softmax_masked(scores, causal_mask(q_pos, k_pos))
+    cache.note_attention(layer, probs)
     return torch.einsum("bgrqn,bgnd->bgrqd", probs, v).reshape(b, h, nq, -1)
 
 
-def softmax_masked(scores: torch.Tensor, mask: torch.Tensor, cache: LayoutCache, layer: int) -> torch.Tensor:
-    """Softmax of `[B, G, r, q, n]` scores under `mask`; hands the probabilities to the cache's
-    observer (attention-based scorers) summed over a group's heads: `[B, G, q, n]`."""
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
-    if cache.observer is not None:
-        cache.observer(layer, probs.sum(2))
-    return probs
+def softmax_masked(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of scores where `mask` holds, 0 elsewhere."""
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -243,23 +240,16 @@ class MLAttention(nn.Module):
         if self.absorb:
             q_latent = torch.einsum("bhqe,hec->bhqc", q_nope, w_uk)
             scores = torch.einsum("bhqc,bnc->bhqn", q_latent, ckv[:, 0]) + torch.einsum("bhqr,bnr->bhqn", q_rope, kr[:, 0])
-            probs = softmax_masked((scores * scale)[:, None], causal_mask(pos, k_pos), cache, self.layer)[:, 0]
+            probs = softmax_masked(scores * scale, causal_mask(pos, k_pos)[:, 0])
+            cache.note_attention(self.layer, probs[:, None])
             out = torch.einsum("bhqc,hvc->bhqv", torch.einsum("bhqn,bnc->bhqc", probs, ckv[:, 0]), w_uv)
         else:
             k_nope = torch.einsum("bnc,hec->bhne", ckv[:, 0], w_uk)
             v = torch.einsum("bnc,hvc->bhnv", ckv[:, 0], w_uv)
             k = torch.cat([k_nope, kr.expand(-1, c.q_heads, -1, -1)], -1)
             q = torch.cat([q_nope, q_rope], -1)
-            out = attend(q, k, v, pos, k_pos.expand(-1, c.q_heads, -1), scale, _Heads(cache), self.layer)
+            out = attend(q, k, v, pos, k_pos.expand(-1, c.q_heads, -1), scale, cache, self.layer)
         return self.o_proj(_merge(out))
-
-
-class _Heads:
-    """A cache seen by a materialised path with one group per query head: the observer gets the
-    probabilities summed back to the cache's single latent head."""
-
-    def __init__(self, cache: LayoutCache):
-        self.observer = None if cache.observer is None else (lambda layer, p: cache.observer(layer, p.sum(1, keepdim=True)))
 
 
 class QKNormMLAttention(MLAttention):
@@ -309,7 +299,8 @@ class QKNormMLAttention(MLAttention):
             content = torch.einsum("bgrqe,bgne->bgrqn", q_nope, k_normed)
         scores = (content + torch.einsum("bgrqd,bnd->bgrqn", q_rope, kr[:, 0])) * scale
         group_pos = k_pos.expand(-1, g, -1)
-        probs = softmax_masked(scores, causal_mask(pos, group_pos), _Heads(cache), self.layer)  # [B, G, r, q, n]
+        probs = softmax_masked(scores, causal_mask(pos, group_pos))  # [B, G, r, q, n]
+        cache.note_attention(self.layer, probs)
         o_latent = torch.einsum("bgrqn,bnc->bgrqc", probs, ckv[:, 0]).reshape(x.shape[0], h, x.shape[1], c.latent_dim)
         return self.o_proj(_merge(torch.einsum("bhqc,hvc->bhqv", o_latent, w_uv)))
 
@@ -347,7 +338,7 @@ class PathMLAttention(nn.Module):
         q_nope, q_rope = _heads(self.q_proj(x), h).split([c.nope_dim, c.rope_dim], -1)
         q = torch.cat([q_nope, rope(q_rope, pos, c.rope_theta)], -1)
         k_pos = cache.layer_positions(self.layer).expand(-1, h, -1)
-        out = attend(q, k, v, pos, k_pos, (c.nope_dim + c.rope_dim) ** -0.5, _Heads(cache), self.layer)
+        out = attend(q, k, v, pos, k_pos, (c.nope_dim + c.rope_dim) ** -0.5, cache, self.layer)
         return self.o_proj(_merge(out))
 
 

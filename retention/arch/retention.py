@@ -170,7 +170,7 @@ def decode(model: ArchLM, token_ids: list[int], prompt_length: int, scorer: str 
         budget = tokens_for_bytes(cache.layout, budget_bytes)
     budget = budget if group_scorer.evicts else None
     cadence = Cadence(budget=budget, interval=interval or (default_interval(budget) if budget else 1),
-                      sink=sink if scorer != "random" else 0, recent=group_scorer.recent)
+                      sink=sink, recent=group_scorer.recent)
     group_scorer.attach(cache)
     ids = torch.tensor([token_ids])
     logits, stored, stored_bytes, compactions = [], [], [], 0
