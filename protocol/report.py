@@ -22,8 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from protocol import stats
+from protocol import shards, stats
 from protocol.errors import ProtocolError
+from protocol.io import load_json_object, read_jsonl, sha256_file
+from protocol.ledger import Registry, read_confirmation
 
 BASELINE_SCORER = "triattention"
 SUBSET_BOOT = 20_000  # resamples per nested-subset test: a diagnostic, not a decision
@@ -85,20 +87,9 @@ class Run:
 def _read_jsonl(path: Path, what: str) -> tuple[list, list]:
     """Parse a JSONL file; a half-written last line (a run killed mid-write) is dropped with a
     warning, any other unreadable line is an error. Returns (objects, warnings)."""
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    out, warnings = [], []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if i == len(lines) - 1:  # no trailing newline: the writer was interrupted
-                warnings.append(f"{path}: dropped a half-written last line")
-                continue
-            raise ProtocolError(f"{path}:{i + 1}: unreadable {what} line") from None
-    return out, warnings
+    read = read_jsonl(path, what)
+    warnings = [f"{path}: dropped a half-written last line"] if read.partial_tail else []
+    return read.objects, warnings
 
 
 def _lazy_grade():
@@ -111,23 +102,27 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
     """Read a run directory. Records without a `verdict` key are graded with
     `grade(text, gold)` (default: protocol.grading.grade); a null verdict stays null (= wrong)."""
     path = Path(path)
-    cfg_path, rec_path = path / "config.json", path / "records.jsonl"
-    if not cfg_path.is_file() or not rec_path.is_file():
+    cfg_path, rec_paths = path / "config.json", shards.record_files(path)  # records.jsonl, or shard files
+    if not cfg_path.is_file() or not rec_paths:
         raise ProtocolError(f"{path} is not a run directory (needs config.json and records.jsonl)")
     try:
-        meta = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ProtocolError(f"{cfg_path}: unreadable ({exc})") from None
+        meta = load_json_object(cfg_path, "run configuration")
+    except ProtocolError as exc:
+        raise ProtocolError(f"unreadable run configuration: {exc}") from None
     if not isinstance(meta.get("config"), dict):
         raise ProtocolError(f"{cfg_path}: no 'config' object")
-    records, warnings = _read_jsonl(rec_path, "record")
+    records, warnings = [], [f"{path}: shard {s} has no records yet" for s in shards.missing_shards(path)]
+    for rec_path in rec_paths:
+        recs, w = _read_jsonl(rec_path, "record")
+        records += recs
+        warnings += w
     seen = set()
     for rec in records:
         if "problem_id" not in rec or "sample" not in rec:
-            raise ProtocolError(f"{rec_path}: a record lacks problem_id/sample")
+            raise ProtocolError(f"{path}: a record lacks problem_id/sample")
         key = (str(rec["problem_id"]), int(rec["sample"]))
         if key in seen:
-            raise ProtocolError(f"{rec_path}: duplicated record {key}")
+            raise ProtocolError(f"{path}: duplicated record {key}")
         seen.add(key)
     ungraded = [r for r in records if "verdict" not in r]
     if ungraded:
@@ -143,11 +138,14 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
                 rec.setdefault("rule", g.rule)
     confirm = None
     if (path / "confirm.json").is_file():
-        confirm = json.loads((path / "confirm.json").read_text(encoding="utf-8"))
+        confirm = load_json_object(path / "confirm.json", "confirmation sidecar")
     trace = None
-    if with_trace and (path / "trace.jsonl").is_file():
-        trace, w = _read_jsonl(path / "trace.jsonl", "trace")
-        warnings += w
+    if with_trace and shards.trace_files(path):
+        trace = []
+        for trace_path in shards.trace_files(path):
+            t, w = _read_jsonl(trace_path, "trace")
+            trace += t
+            warnings += w
     return Run(path=path, meta=meta, config=meta["config"], records=records, confirm=confirm,
                trace=trace, warnings=warnings)
 
@@ -159,7 +157,7 @@ def find_run_dirs(paths) -> list[Path]:
         if (p / "config.json").is_file():
             out.append(p)
         elif p.is_dir():
-            found = sorted(q.parent for q in p.rglob("config.json") if (q.parent / "records.jsonl").is_file())
+            found = sorted(q.parent for q in p.rglob("config.json") if shards.record_files(q.parent))
             if not found:
                 raise ProtocolError(f"{p}: no run directories (config.json + records.jsonl) below it")
             out += found
@@ -416,15 +414,41 @@ def _find_confirm_dirs(runs: list[Run], explicit) -> list[Path]:
     return list(dict.fromkeys(d.resolve() for d in dirs))
 
 
-def provenance(runs: list[Run], confirm_dirs) -> dict:
-    """Plan hashes of the runs, verified ledgers and deviation logs of their confirm directories,
-    and warnings for records changed since confirmation."""
-    from protocol.prereg import read_confirmation, sha256_file
+def is_confirm_run(run: Run) -> bool:
+    """A run on the confirm split (or made for a plan): its numbers count only if confirmed."""
+    return run.config.get("split") == "confirm" or run.plan_hash is not None
 
+
+def confirmation_status(run: Run, registry: Registry) -> str | None:
+    """None when the run is an arm of a cell confirmed in the registry with exactly these records;
+    else why not (printed as UNCONFIRMED)."""
+    h = run.plan_hash
+    if h is None:
+        return "confirm-split run without a plan hash"
+    if registry.key(h) is None:
+        return f"plan {h[:12]} is not in the registry {registry.root}: cannot verify"
+    records = sha256_file(run.path / "records.jsonl")
+    config_hash = run.meta.get("config_hash")
+    changed = False
+    for entry in registry.ledger(h).entries():
+        for info in (entry.get("runs") or {}).values():
+            if info.get("config_hash") == config_hash and info.get("run_id") == run.meta.get("run_id"):
+                if info.get("records_sha256") == records:
+                    return None
+                changed = True
+    if changed:
+        return "records changed since confirmation"
+    return f"no ledger entry of plan {h[:12]} for this run"
+
+
+def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) -> dict:
+    """Plan hashes of the runs, verified ledgers and deviation logs of their confirm directories,
+    and, per confirm-split run, why it is not a confirmed result (`unconfirmed`: run id -> reason)."""
+    registry = registry or Registry()
     out = {"plan_hashes": sorted({r.plan_hash for r in runs if r.plan_hash}), "confirm_dirs": [],
-           "deviations": [], "ledger_cells": [], "warnings": [], "plan_m": None}
+           "deviations": [], "ledger_cells": [], "warnings": [], "plan_m": None, "unconfirmed": {}}
     for d in _find_confirm_dirs(runs, confirm_dirs):
-        conf = read_confirmation(d)  # raises on a tampered ledger or deviation log
+        conf = read_confirmation(d, registry)  # raises on a tampered ledger or deviation log
         out["confirm_dirs"].append(str(d))
         out["deviations"] += conf["deviations"]
         for entry in conf["cells"]:
@@ -433,13 +457,12 @@ def provenance(runs: list[Run], confirm_dirs) -> dict:
                                         "model_revision": entry.get("model_revision"),
                                         "hash": entry["hash"]})
             out["plan_m"] = entry.get("result", {}).get("m", out["plan_m"])
-            for arm, info in entry.get("runs", {}).items():
-                path = Path(info["path"])
-                path = path if path.is_absolute() else d / path
-                rec = path / "records.jsonl"
-                if rec.is_file() and sha256_file(rec) != info.get("records_sha256"):
-                    out["warnings"].append(f"{rec}: records changed since cell {entry['cell_id']} "
-                                           "was confirmed")
+    for run in runs:
+        if is_confirm_run(run):
+            why = confirmation_status(run, registry)
+            if why is not None:
+                out["unconfirmed"][run.run_id] = why
+                out["warnings"].append(f"UNCONFIRMED {run.path}: {why}")
     return out
 
 
@@ -486,6 +509,11 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int = stats.BOO
                         "budget_exceeded", "accounting"):
                 row[prefix + key] = s[key]
         row["plan_hash"] = t.plan_hash or b.plan_hash
+        why = [prov["unconfirmed"][r.run_id] for r in (t, b) if r.run_id in prov["unconfirmed"]]
+        row["confirmation"] = ("UNCONFIRMED: " + "; ".join(dict.fromkeys(why)) if why
+                               else "confirmed" if is_confirm_run(t) or is_confirm_run(b) else "dev")
+        if why:  # a number that is not the pre-registered evidence must not read like one
+            row["verdict"] = f"UNCONFIRMED ({row['verdict']})"
         rows.append(row)
         for sub in effect_vs_n(data, seed=seed, boot=min(boot, subset_boot)):
             subsets.append({"model": t.model, "budget": t.budget, "accounting": t.accounting,
@@ -612,7 +640,7 @@ def terminal_summary(rep: Report) -> str:
              f"{r['delta_pp']:+.2f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
              _fmt_p(r["p_bootstrap"]), _fmt_p(r["p_bonferroni"]), r["verdict"], str(r["n"]),
              str(r["k"])] for r in rep.comparisons]
-    out = [_text_table(arm_head, arm_body), "",
+    out = [*unconfirmed_banner(rep), _text_table(arm_head, arm_body), "",
            _text_table(head, body),
            f"cluster bootstrap B={rep.settings['boot']} seed={rep.settings['seed']}, "
            f"Bonferroni over m={rep.settings['m']} at alpha={rep.settings['alpha']}"]
@@ -637,6 +665,17 @@ def terminal_summary(rep: Report) -> str:
                    f"{len(prov['deviations'])} deviation(s) logged")
     out += [f"note: {n}" for n in rep.notes]
     return "\n".join(out)
+
+
+def unconfirmed_banner(rep: Report) -> list[str]:
+    """Lines shouting that confirm-split numbers lack a valid confirmation (empty when all hold)."""
+    bad = rep.provenance.get("unconfirmed") or {}
+    if not bad:
+        return []
+    bar = "!" * 78
+    return [bar, f"!!! UNCONFIRMED: {len(bad)} confirm-split run(s) have no valid ledger entry or were "
+                 "changed since confirmation.", "!!! Their comparisons are NOT pre-registered evidence:",
+            *(f"!!!   {run_id}: {why}" for run_id, why in sorted(bad.items())), bar, ""]
 
 
 _TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
@@ -731,6 +770,10 @@ def to_latex(rep: Report) -> str:
                             ["Model", "Budget", "Arm", "Acct.", "Acc. (\\%)", "KL", "Top-1 agr."],
                             body))
     prov = rep.provenance
+    if prov.get("unconfirmed"):
+        out.append("\\begin{center}\\fbox{\\Large\\textbf{UNCONFIRMED: "
+                   f"{len(prov['unconfirmed'])} confirm-split run(s) without a valid ledger entry; "
+                   "not pre-registered evidence}}\\end{center}")
     if prov["plan_hashes"] or prov["deviations"]:
         out.append("\\paragraph{Pre-registration.} Plan "
                    + ", ".join(f"\\texttt{{{h[:12]}}}" for h in prov["plan_hashes"]) + ". "
@@ -747,14 +790,25 @@ def to_latex(rep: Report) -> str:
 
 
 def write_report(rep: Report, out_dir) -> list[Path]:
-    """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically)."""
+    """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically).
+
+    `report-files.json` lists what was written; files of an earlier report into the same folder
+    that this one does not write (a figure of a cell no longer present) are removed, so the folder
+    never mixes two reports. Files the report did not write are never touched.
+    """
     import pandas as pd
 
-    from protocol.prereg import write_atomic
+    from protocol.io import dumps, ensure_dir, write_atomic
     from protocol import report_figures
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = ensure_dir(Path(out_dir), "report folder")
+    listing = out_dir / REPORT_LISTING
+    previous = []
+    if listing.exists():
+        try:
+            previous = [str(n) for n in load_json_object(listing, "report listing").get("files", [])]
+        except ProtocolError:
+            previous = []
     written = []
 
     def put(name: str, data: str | bytes) -> None:
@@ -771,10 +825,19 @@ def write_report(rep: Report, out_dir) -> list[Path]:
     if rep.fidelity:
         put("fidelity_exploratory.csv", pd.DataFrame(rep.fidelity).to_csv(index=False))
     put("report.tex", to_latex(rep))
-    put("report.json", json.dumps(json_safe(rep.to_dict()), indent=1) + "\n")
+    put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
     for name, png in report_figures.render_all(rep).items():
         put(name, png)
+    names = {p.name for p in written}
+    for stale in sorted(set(previous) - names):
+        path = out_dir / Path(stale).name  # names only: never a path outside out_dir
+        if path.is_file():
+            path.unlink()
+    write_atomic(listing, dumps({"files": sorted(names)}, indent=1) + "\n")
     return written
+
+
+REPORT_LISTING = "report-files.json"
 
 
 def json_safe(obj):

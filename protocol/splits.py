@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from protocol.data import DATASET_SHA256, N_PROBLEMS, Problem, dataset_sha256, load_problems
 from protocol.errors import ProtocolError
+from protocol.io import load_json_object
 
 SALT = "retention-math500-v1"
 RULE = ("h = md5(salt + unique_id) (hex); sort ids by h (ties by id); "
@@ -33,8 +35,28 @@ MANIFEST = "manifest.json"
 SUBDIR = "math500"
 
 
+SPLITS_ENV = "RETENTION_SPLITS_DIR"
+
+
+def _holds_manifest(d: Path) -> bool:
+    return (d / MANIFEST).is_file() or (d / SUBDIR / MANIFEST).is_file()
+
+
 def default_splits_dir() -> Path:
-    """`<repository root>/splits` (the directory above the `protocol` package)."""
+    """Where the committed splits are read from, first match wins:
+
+    1. `$RETENTION_SPLITS_DIR`;
+    2. `splits/` of the checkout the command runs in (the working directory or a parent holding
+       `pyproject.toml` and `splits/`), so a checkout's own lists are what it verifies against;
+    3. `splits/` beside the installed `protocol` package.
+    """
+    env = os.environ.get(SPLITS_ENV)
+    if env:
+        return Path(env)
+    cwd = Path.cwd()
+    for d in (cwd, *cwd.parents):
+        if (d / "pyproject.toml").is_file() and _holds_manifest(d / "splits"):
+            return d / "splits"
     import protocol
 
     return Path(protocol.__file__).resolve().parent.parent / "splits"
@@ -95,16 +117,10 @@ def write_splits(splits_dir: str | Path, data_path: str | Path | None = None) ->
 
 
 def _read_manifest(d: Path) -> dict[str, Any]:
-    path = d / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ProtocolError(f"split manifest not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"split manifest {path} is not valid JSON: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise ProtocolError(f"split manifest {path} is not a JSON object")
-    return manifest
+        return load_json_object(d / MANIFEST, "split manifest")
+    except ProtocolError as exc:
+        raise ProtocolError(f"split manifest: {exc}") from None
 
 
 def _first_difference(got: list[str], want: list[str]) -> str:
@@ -183,13 +199,10 @@ def verify_splits(data_path: str | Path | None = None,
     return out
 
 
-def manifest_sha256(splits_dir: str | Path | None = None) -> str:
-    """sha256 of the committed `manifest.json` bytes (what a pre-registered plan records)."""
-    path = _split_dir(splits_dir) / MANIFEST
-    try:
-        return _sha(path.read_bytes())
-    except FileNotFoundError:
-        raise ProtocolError(f"split manifest not found: {path}") from None
+def manifest_sha256(splits_dir: str | Path | None = None, data_path: str | Path | None = None) -> str:
+    """sha256 of the committed `manifest.json` bytes (what a pre-registered plan records), after
+    verifying the lists against the data: a tampered split is refused, never registered."""
+    return verify_splits(data_path, splits_dir)["manifest_sha256"]
 
 
 def problems_by_id(data_path: str | Path | None = None) -> dict[str, Problem]:

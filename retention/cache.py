@@ -223,6 +223,14 @@ class RetentionCache(Cache):
         w = self.layers[0].keys.shape[2]
         return torch.arange(w, device=dev)[None, :] < torch.tensor(self.lengths, device=dev)[:, None]
 
+    def written_slots(self) -> torch.Tensor:
+        """`[S, q]` int64: the buffer index, in each row, of the `q` tokens the last forward wrote
+        (read it after the forward and before any compaction)."""
+        dev = self.layers[0].kbuf.device
+        at = torch.tensor(self._write_at, dtype=torch.long, device=dev)
+        q = self.lengths[0] - self._write_at[0] if self.lengths else 0
+        return at[:, None] + torch.arange(q, device=dev)[None, :]
+
     def stored_lengths(self) -> list[int]:
         """Stored tokens per layer of a single-row cache (every layer and KV head holds the same)."""
         return [max(self.lengths, default=0)] * len(self.layers)

@@ -29,10 +29,27 @@ ACCOUNTING_MODES = ("mean", "prefill", "peak")
 REFERENCE_INTERVAL = 128
 
 
-def default_interval(budget: int) -> int:
-    """The reference interval 128, shortened for small budgets (`min(128, B)`) so that mean
-    accounting leaves room: at B = 64, N = 128 would need a negative `b`."""
-    return min(REFERENCE_INTERVAL, budget)
+def largest_interval(budget: int, accounting: str, floor: int = 1) -> int | None:
+    """The largest interval N that leaves `b >= floor` at budget B (None: no N does; B too small).
+
+    mean: B - N//2 - 1 >= floor  <=>  N <= 2 (B - 1 - floor) + 1;  peak: N <= B - floor;
+    prefill: b = B whatever N, so any N works once B >= floor."""
+    if accounting == "mean":
+        n = 2 * (budget - 1 - floor) + 1
+    elif accounting == "peak":
+        n = budget - floor
+    else:
+        n = REFERENCE_INTERVAL if budget >= floor else 0
+    return n if n >= 1 else None
+
+
+def default_interval(budget: int, accounting: str = "mean", floor: int = 1) -> int:
+    """The reference interval 128, shortened for small budgets so that about half the budget stays
+    after a compaction: `min(128, B)` in mean and prefill accounting (mean: b = B - N//2 - 1),
+    `min(128, B // 2)` in peak accounting (b = B - N; `min(128, B)` would leave b = 0 at B <= 128).
+    Finally capped by `largest_interval`, so the default works at every budget in every mode."""
+    n = min(REFERENCE_INTERVAL, budget // 2 if accounting == "peak" else budget)
+    return max(1, min(n, largest_interval(budget, accounting, floor) or 1))
 
 
 def nominal_budget(budget: int, interval: int, accounting: str) -> int:
@@ -74,10 +91,13 @@ class Cadence:
             raise RetentionError(f"--budget must be a positive number of tokens, got {self.budget}")
         floor = max(1, self.sink + self.recent + 1)
         if self.nominal < floor:
+            fits = largest_interval(self.budget, self.accounting, floor)
+            hint = (f"the largest --interval that works here is {fits}" if fits
+                    else "no interval works at this budget; use a larger --budget")
             raise RetentionError(
                 f"budget {self.budget} with interval {self.interval} in '{self.accounting}' accounting leaves "
                 f"b = {self.nominal} tokens after a compaction, below the {floor} needed by sink {self.sink} + "
-                f"recent {self.recent} + 1 scored token; use a smaller --interval or a larger --budget"
+                f"recent {self.recent} + 1 scored token; {hint}"
             )
 
     @property

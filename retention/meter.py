@@ -8,7 +8,8 @@ first compaction.
 
 Summaries: the mean over decode steps (the project's budget is this number), the peak, the final
 length, the number of compactions, and a per-step trace downsampled to at most `max_trace` points.
-Tokens convert to bytes with the model's cache geometry (`kib_per_token`).
+Tokens convert to bytes with the model's cache layout (`retention.layouts`: `kib_per_token`), which
+counts the compressed representation kept per token, not allocated buffers (`counts` says so).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class BudgetMeter:
 
     kib_per_token: float
     budget: int | None = None
+    counts: str = "compressed representation"
     max_trace: int = 512
     prefill_tokens: int = 0
     compactions: int = 0
@@ -91,6 +93,7 @@ class BudgetMeter:
             "cache_final_tokens": self.final,
             "cache_prefill_tokens": self.prefill_tokens,
             "kib_per_token": self.kib_per_token,
+            "kib_counts": self.counts,
             "cache_mean_kib": self.mean * self.kib_per_token,
             "budget_exceeded": self.exceeded,
             "compactions": self.compactions,

@@ -64,10 +64,10 @@ def cadence_for(scorer: Scorer, budget: int | None, interval: int | None = None,
     interval `min(128, B)`, the scorer's own protected tokens unless `sink`/`recent` are given, and
     at least the window a window scorer always keeps (`min_recent`)."""
     budget = budget if scorer.evicts else None
-    interval = interval or (default_interval(budget) if budget else 1)
     sink = scorer.default_sink if sink is None else sink
     recent = scorer.default_recent if recent is None else recent
     if hasattr(scorer, "min_recent"):
         recent = max(recent, scorer.min_recent())
+    interval = interval or (default_interval(budget, accounting, max(1, sink + recent + 1)) if budget else 1)
     return Cadence(budget=budget, interval=interval, accounting=accounting, sink=sink, recent=recent,
                    protect_prompt=protect_prompt and budget is not None)

@@ -12,8 +12,7 @@ seed per (problem, sample), so an interrupted comparison stays paired.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
+import itertools
 import platform
 import re
 import subprocess
@@ -21,15 +20,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from protocol.io import (append_line, canonical_json, ensure_dir, jsonl_line, load_json_object, read_jsonl,
+                         write_atomic, write_json)
 from retention import __version__
 from retention.errors import RetentionError
 
 # Bumped when the meaning of a configuration field changes; plans and ledgers record it.
 CONFIG_SCHEMA_VERSION = 1
-
-
-def canonical_json(obj) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def config_hash(config: dict) -> str:
@@ -75,57 +72,82 @@ def run_id_for(config: dict) -> str:
     return f"{model}-{config['scorer']}-{budget}-{config_hash(config)[:10]}"
 
 
-class RecordStore:
-    """Append-only `records.jsonl` with crash-safe resume."""
+def _key(row: dict, where: str) -> tuple[str, int]:
+    pid, sample = row.get("problem_id"), row.get("sample")
+    if not isinstance(pid, str) or not isinstance(sample, int) or isinstance(sample, bool):
+        raise RetentionError(f"{where}: needs a string problem_id and an integer sample")
+    return pid, sample
 
-    def __init__(self, path: Path):
+
+def _repair_tail(path: Path, read) -> None:
+    """Cut a half-written last line (a writer killed mid-line) so the next append starts clean."""
+    if read.partial_tail:
+        with open(path, "r+b") as f:
+            f.truncate(read.valid_end)
+
+
+class RecordStore:
+    """Append-only `records.jsonl` with crash-safe resume.
+
+    Resume keeps every valid line, cuts a half-written last line, and refuses (with the line
+    number) a corrupt earlier line, a duplicated (problem, sample) and a record of another
+    configuration: silently dropping or mixing records would bias what a report computes.
+    """
+
+    def __init__(self, path: Path, config_hash: str | None = None):
         self.path = path
+        self.config_hash = config_hash
         self.done: dict[tuple[str, int], dict] = {}
         self._repair_and_load()
 
     def _repair_and_load(self) -> None:
         if not self.path.exists():
             return
-        data = self.path.read_bytes()
-        good = data.rfind(b"\n") + 1  # a last line without newline was cut mid-write
-        lines = data[:good].splitlines()
-        valid_end = 0
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break  # a corrupted line: keep what precedes it
-            self.done[(rec["problem_id"], rec["sample"])] = rec
-            valid_end += len(line) + 1
-        if valid_end < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(valid_end)
+        read = read_jsonl(self.path, "record")
+        for lineno, rec in read.rows:
+            where = f"{self.path}:{lineno}"
+            key = _key(rec, where)
+            if self.config_hash is not None and rec.get("config_hash") != self.config_hash:
+                raise RetentionError(f"{where}: record of another configuration "
+                                     f"({str(rec.get('config_hash'))[:10]}, this run is {self.config_hash[:10]})")
+            if key in self.done:
+                raise RetentionError(f"{where}: duplicated record {key}")
+            self.done[key] = rec
+        _repair_tail(self.path, read)
 
     def has(self, problem_id: str, sample: int) -> bool:
         return (problem_id, sample) in self.done
 
     def append(self, record: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, jsonl_line(record))
         self.done[(record["problem_id"], record["sample"])] = record
 
 
 @dataclass
 class RunDir:
-    """One arm's run directory."""
+    """One arm's run directory, held under an exclusive lock while this object lives.
+
+    Write order per (problem, sample): the trace line, then the record. A kill between the two
+    leaves a trace line without its record; opening the directory drops such lines (and any
+    duplicate), so after a resume each record has exactly one trace line.
+    """
 
     path: Path
     config: dict
+    # A shard of a run writes its own files (retention.shard): records.shard-I-of-N.jsonl, ...
+    records_name: str = "records.jsonl"
+    trace_name: str = "trace.jsonl"
     records: RecordStore = field(init=False)
 
     def __post_init__(self):
-        self.path.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.path, "run directory")
+        # One writer per records file: shards of a run share the directory, not their files.
+        lock = ".lock" if self.records_name == "records.jsonl" else f".{self.records_name}.lock"
+        self._lock = _hold_lock(self.path, lock)
         cfg_file = self.path / "config.json"
         h = config_hash(self.config)
         if cfg_file.exists():
-            existing = json.loads(cfg_file.read_text())
+            existing = load_json_object(cfg_file, "run configuration")
             if existing.get("config_hash") != h:
                 raise RetentionError(f"{cfg_file} belongs to another configuration; choose another --out")
         else:
@@ -138,22 +160,81 @@ class RunDir:
                 "code_version": code_version(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
-            tmp = cfg_file.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            tmp.replace(cfg_file)
-        self.records = RecordStore(self.path / "records.jsonl")
+            write_json(cfg_file, meta)
+        self.records = RecordStore(self.path / self.records_name, h)
+        self._repair_trace()
+
+    def _repair_trace(self) -> None:
+        path = self.path / self.trace_name
+        if not path.exists():
+            return
+        read = read_jsonl(path, "trace")
+        keep, seen = [], set()
+        for lineno, row in read.rows:
+            key = _key(row, f"{path}:{lineno}")
+            if key in self.records.done and key not in seen:
+                seen.add(key)
+                keep.append(row)
+        if len(keep) != len(read.rows):
+            write_atomic(path, b"".join(jsonl_line(r) for r in keep))
+        else:
+            _repair_tail(path, read)
+
+    def close(self) -> None:
+        """Release the directory's lock (also released when the process ends, however it ends)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     @property
     def hash(self) -> str:
         return config_hash(self.config)
 
+    def missing(self, problems, samples: int):
+        """(problem, sample index) pairs without a record, generated lazily in problem order."""
+        return ((p, s) for p in problems for s in range(samples) if not self.records.has(p.unique_id, s))
+
     def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float]) -> None:
-        with open(self.path / "trace.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}) + "\n")
+        append_line(self.path / self.trace_name,
+                    jsonl_line({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}))
 
 
-def open_run(out: Path, config: dict) -> RunDir:
-    return RunDir(Path(out) / run_id_for(config), config)
+def _hold_lock(run_dir: Path, name: str = ".lock"):
+    """An open file holding an exclusive flock on `<run dir>/<name>` (non-blocking)."""
+    import fcntl
+
+    fh = open(run_dir / name, "a")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        fh.close()
+        raise RetentionError(f"another run is writing {run_dir}; wait for it to finish (one writer per "
+                             "run directory)") from None
+    return fh
+
+
+def pending(arms: list["Arm"], problems, samples: int):
+    """Every missing (problem, sample, arm), lazily: nothing is allocated per sample."""
+    return ((p, s, a) for p in problems for s in range(samples) for a in arms
+            if not a.run.records.has(p.unique_id, s))
+
+
+def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tuple[int, int]:
+    """(total, missing) generations of all pairs or of one shard's; counted without materialising
+    the pairs (each arm's store holds only its own shard's records)."""
+    from retention.shard import shard_size
+
+    total = shard_size(len(problems) * samples, shard) * len(arms)
+    ids = {p.unique_id for p in problems}
+    done = sum(1 for a in arms for pid, s in a.run.records.done if pid in ids and s < samples)
+    return total, total - done
+
+
+def open_run(out: Path, config: dict, shard=None) -> RunDir:
+    """The run directory of `config` under `out`; a `retention.shard.Shard` writes its own files."""
+    if shard is None:
+        return RunDir(Path(out) / run_id_for(config), config)
+    return RunDir(Path(out) / run_id_for(config), config, shard.records_name, shard.trace_name)
 
 
 @dataclass
@@ -218,14 +299,16 @@ def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, b
 
 
 def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
-             fidelity: bool = False, grade: bool = True, progress: bool = True, batch_size: int = 1) -> None:
+             fidelity: bool = False, grade: bool = True, progress: bool = True, batch_size: int = 1,
+             shard=None) -> None:
     """Generate every missing (problem, sample) record of every arm, `batch_size` sequences at a time.
 
     Each arm decodes the same pairs with the same seed per (problem, sample); arms alternate chunk by
     chunk (`CHUNK_BATCHES * batch_size` pairs). Each record is written as soon as its sequence ends,
     so a killed run loses only the sequences in flight.
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
-    `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`.
+    `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
+    `retention.shard.Shard` to generate only its pairs (None: all of them).
     """
     from tqdm import tqdm
 
@@ -241,16 +324,18 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token
-    pairs = [(p, s) for p in problems for s in range(samples)]
-    total = len(pairs) * len(arms)
-    done = sum(1 for p, s in pairs for a in arms if a.run.records.has(p.unique_id, s))
-    bar = tqdm(total=total, initial=done, disable=not progress, unit="seq", dynamic_ncols=True)
+    from retention.shard import shard_pairs
+
+    # Pairs are drawn lazily, one chunk at a time: nothing is allocated per sample.
+    pairs = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard))
+    total, missing = count_pending(arms, problems, samples, shard)
+    bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="seq", dynamic_ncols=True)
     prompts: dict[str, list[int]] = {}
     cfg = SamplingConfig(**sampling)
     chunk = max(1, CHUNK_BATCHES * batch_size)
-    for c0 in range(0, len(pairs), chunk):
+    while block := list(itertools.islice(pairs, chunk)):
         for arm in arms:
-            todo = [(p, s) for p, s in pairs[c0:c0 + chunk] if not arm.run.records.has(p.unique_id, s)]
+            todo = [(p, s) for p, s in block if not arm.run.records.has(p.unique_id, s)]
             if not todo:
                 continue
             reqs = []

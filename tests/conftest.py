@@ -35,3 +35,9 @@ def smollm() -> LoadedModel:
     from retention.models import load_model
 
     return load_model("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(autouse=True)
+def _private_state_dir(tmp_path_factory, monkeypatch):
+    """Every test gets its own registry of plans and confirmations (never the user's)."""
+    monkeypatch.setenv("RETENTION_STATE_DIR", str(tmp_path_factory.mktemp("state")))

@@ -20,10 +20,11 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
-from protocol.grading.extract import RULES, extract_answer, find_boxes
+from protocol.grading.extract import RULES, extract_answer, extract_final, find_boxes
 from protocol.grading.normalize import MAX_ANSWER_CHARS
 
-__all__ = ["Grade", "grade", "grade_many", "extract_answer", "close_workers", "REASONS", "RULES"]
+__all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final",
+           "extract_answer", "close_workers", "REASONS", "RULES"]
 
 REASONS = ("no_answer", "timeout", "unparsable")
 
@@ -37,10 +38,14 @@ class Grade:
     verdict: bool | None
     reason: str | None
     rule: str | None
+    others: tuple[str, ...] = ()  # further answers the output also states as final
 
     def as_record(self) -> dict:
-        return {"extracted": self.extracted, "verdict": self.verdict, "reason": self.reason,
-                "rule": self.rule}
+        rec = {"extracted": self.extracted, "verdict": self.verdict, "reason": self.reason,
+               "rule": self.rule}
+        if self.others:
+            rec["other_answers"] = list(self.others)
+        return rec
 
 
 def _reference(gold: str) -> str:
@@ -68,33 +73,72 @@ def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
     if int(workers) < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     pairs = list(pairs)
-    extracted = []
-    for pred, gold in pairs:
+    found = []
+    for pred, _ in pairs:
         if pred is not None and not isinstance(pred, str):
             raise TypeError(f"pred must be a string or None, got {type(pred).__name__}")
-        extracted.append(extract_answer(pred))
+        found.append(extract_final(pred))
     refs = [_reference(gold) for _, gold in pairs]
+    # every answer the output states as final is judged; credit needs all of them right
+    tasks = [(i, ans) for i, e in enumerate(found) if e.answer is not None
+             for ans in (e.answer, *e.others)]
     # answers too long to parse are settled here, without shipping megabytes to a worker
-    settled = {i: (("ok", True, None) if ans.strip() == refs[i].strip() else
+    settled = {k: (("ok", True, None) if ans.strip() == refs[i].strip() else
                    ("unparsable", None, "answer too long"))
-               for i, (ans, _) in enumerate(extracted)
-               if ans is not None and len(ans) > MAX_ANSWER_CHARS}
-    todo = [i for i, (ans, _) in enumerate(extracted) if ans is not None and i not in settled]
-    results = default_pool(int(workers)).run([(extracted[i][0], refs[i]) for i in todo],
+               for k, (i, ans) in enumerate(tasks) if len(ans) > MAX_ANSWER_CHARS}
+    todo = [k for k in range(len(tasks)) if k not in settled]
+    results = default_pool(int(workers)).run([(tasks[k][1], refs[tasks[k][0]]) for k in todo],
                                              timeout, int(workers)) if todo else []
-    by_index = dict(zip(todo, results))
-    by_index.update(settled)
+    by_task = dict(zip(todo, results))
+    by_task.update(settled)
+    per_item: dict[int, list[tuple]] = {}
+    for k, (i, _) in enumerate(tasks):
+        per_item.setdefault(i, []).append(by_task[k])
     out = []
-    for i, (ans, rule) in enumerate(extracted):
-        if ans is None:
+    for i, e in enumerate(found):
+        if e.answer is None:
             out.append(Grade(None, None, "no_answer", None))
             continue
-        status, verdict, _detail = by_index[i]
-        if status == "ok":
-            out.append(Grade(ans, verdict, None, rule))
+        outcomes = per_item[i]
+        if any(status == "ok" and verdict is False for status, verdict, _ in outcomes):
+            out.append(Grade(e.answer, False, None, e.rule, e.others))
+        elif all(status == "ok" for status, _, _ in outcomes):
+            out.append(Grade(e.answer, True, None, e.rule, e.others))
         else:
-            out.append(Grade(ans, None, status, rule))
+            status = next(s for s, _, _ in outcomes if s != "ok")
+            out.append(Grade(e.answer, None, status, e.rule, e.others))
     return out
+
+
+@dataclass(frozen=True)
+class Opinion:
+    """A second grader's verdict on one output: `verdict` True/False, or None with `reason`
+    ("no_answer", "timeout", "unparsable")."""
+
+    verdict: bool | None
+    reason: str | None
+
+    def as_record(self) -> dict:
+        return {"verdict": self.verdict, "reason": self.reason}
+
+
+def second_opinions(pairs: Iterable[tuple[str, str]], judge: str, timeout: float = 5.0,
+                    workers: int = 2) -> list[Opinion]:
+    """Grade (pred_text, gold) pairs with another grader (`judge`: "math-verify") in the same
+    killable workers, under the same per-item `timeout`. The whole output goes to it: it
+    extracts its own answer."""
+    from protocol.grading import mathverify
+    from protocol.grading.worker import default_pool
+
+    if judge != mathverify.NAME:
+        raise ValueError(f"unknown grader {judge!r}; known: {mathverify.NAME}")
+    if mathverify.version() is None:
+        raise RuntimeError("math-verify is not installed (pip install 'retention[mathverify]')")
+    timeout = _check_timeout(timeout)
+    tasks = [(pred or "", _reference(gold)) for pred, gold in pairs]
+    results = default_pool(int(workers)).run(tasks, timeout, int(workers), judge=judge) if tasks else []
+    return [Opinion(verdict, None) if status == "ok" else Opinion(None, status)
+            for status, verdict, _ in results]
 
 
 def grade(pred_text: str, gold: str, timeout: float = 5.0) -> Grade:

@@ -45,7 +45,7 @@ from sympy.core.relational import Relational
 from sympy.matrices import MatrixBase
 from sympy.matrices.expressions import MatrixExpr
 
-from protocol.grading.normalize import (MAX_ANSWER_CHARS, Chain, Dots, Interval, Leaf, Member, Node,
+from protocol.grading.normalize import (MAX_ANSWER_CHARS, Chain, Clock, Dots, Interval, Leaf, Member, Node,
                                         NormalizeError, Rel, Seq, Text, Union, canonical, compact,
                                         parse)
 from protocol.grading.normalize import _text_key
@@ -361,6 +361,8 @@ class _Comparator:
             return False
         if isinstance(a, Chain) or isinstance(b, Chain):
             return self._chain_equal(a, b)
+        if isinstance(a, Clock) or isinstance(b, Clock):
+            return isinstance(a, Clock) and isinstance(b, Clock) and _clock_equal(a, b)
         if isinstance(a, Member) and isinstance(b, Member):
             return self.equal(a.elem, b.elem) and self.equal(a.container, b.container)
         if isinstance(a, Member):
@@ -780,6 +782,19 @@ class _Comparator:
             except Exception:
                 continue
         return False
+
+
+def _clock_equal(a: Clock, b: Clock) -> bool:
+    """Same time of day. A bare ``5:30`` (hour 1-12, no a.m./p.m.) is read on a 12-hour dial:
+    it matches ``5:30 a.m.`` and ``5:30 p.m.``, never ``6:30``. Everything else must name the
+    same instant: ``17:30`` = ``5:30 p.m.``, but ``5:30`` is not ``17:30`` (a bare 24-hour time
+    is not the spelling of an a.m./p.m. one, and two different spellings of times that may
+    differ are not credited)."""
+    if a.seconds == b.seconds:
+        return True
+    if {a.meridiem, b.meridiem} in ({None, "am"}, {None, "pm"}):
+        return a.seconds % 43200 == b.seconds % 43200
+    return False
 
 
 def _node_text(n: Node) -> str:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 
 __all__ = ["canonical", "compact", "parse", "MAX_ANSWER_CHARS", "Node", "Leaf", "Text", "Seq", "Interval", "Union",
-           "Chain", "Member", "Rel", "Dots", "NormalizeError"]
+           "Chain", "Member", "Rel", "Dots", "Clock", "NormalizeError"]
 
 
 #: Longest answer (after extraction) that is parsed at all; longer ones are only compared as text.
@@ -94,6 +94,14 @@ class Rel(Node):
 
 
 @dataclass(frozen=True)
+class Clock(Node):
+    """A time of day ``5:30``, ``5:30 p.m.``: `seconds` after midnight (read on a 12-hour dial
+    when `meridiem` is None)."""
+    seconds: int
+    meridiem: str | None  # "am", "pm", "24h" (an hour 0 or 13-24), or None (1-12, either half)
+
+
+@dataclass(frozen=True)
 class Dots(Node):
     """``\\ldots`` inside a list: only equal to itself, and makes the list ordered."""
 
@@ -126,7 +134,10 @@ _FRAC_CMD = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\{[^{}]*\}|[0-9a-zA-Z]|\\[a-zA-Z]+)\s*"
                          r"(\{[^{}]*\}|[0-9a-zA-Z]|\\[a-zA-Z]+)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(?!\s*[\[{])([0-9]+|[a-zA-Z]|\\[a-zA-Z]+)")
-_THOUSANDS_CMD = re.compile(r"(?<=\d)(?:\{,\}|,\\!\s*|(?<!\\)\\[,;:! ]\s*)(?=\d{3}(?!\d))")
+# a digit group separator that LaTeX spells: `{,}`, `\,`, `{\,}`, `\!`, `\ `, `~`, or a mix (`{,}\!`,
+# `,\,`); a plain comma or space alone is left to the whole-answer rule (it may separate items)
+_SEP_CMD = r"(?:\{(?:,|\\[,;:! ])\}|(?<!\\)\\[,;:! ]|~)"
+_THOUSANDS_CMD = re.compile(r"(?<=\d)[,\s]*" + _SEP_CMD + r"(?:" + _SEP_CMD + r"|[,\s])*(?=\d{3}(?!\d))")
 _SPACES = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad(?![a-zA-Z])|~")
 _REL_SPELL = [
     (re.compile(r">=|\\geqslant(?![a-zA-Z])|\\geq(?![a-zA-Z])|\\ge(?![a-zA-Z])"), r"\\geq "),
@@ -297,7 +308,8 @@ def _match_set_close(s: str) -> int:
 
 # ----------------------------------------------------------------------------------- leaf level
 
-_TEXT_ANY = re.compile(r"\\(?:text|mbox|textbf|textrm|textit|textsf|texttt|emph|operatorname)\s*"
+_TEXT_ANY = re.compile(r"\\(?:text|textnormal|textup|hbox|mbox|textbf|textrm|textit|textsf|texttt|emph|"
+                       r"operatorname)\s*"
                        r"\{([^{}]*)\}")
 _DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])|"
                       r"\bdegrees?\b|\bdeg\b")
@@ -348,7 +360,8 @@ def _strip_units(s: str) -> str:
         inner = m.group(1)
         return " " if re.fullmatch(r"[A-Za-z\s.'\-]*", inner) else inner
 
-    s2 = re.sub(r"(?:\\(?:text|mbox|textbf|textrm|textit|textsf|texttt|emph)\s*\{([^{}]*)\})"
+    s2 = re.sub(r"(?:\\(?:text|textnormal|textup|hbox|mbox|textbf|textrm|textit|textsf|texttt|emph)"
+                r"\s*\{([^{}]*)\})"
                 r"(?:\s*\^\s*\{?[23]\}?)?", repl, s)
     if s2.strip():
         s = s2
@@ -363,6 +376,42 @@ def _strip_units(s: str) -> str:
     return s.strip()
 
 
+_CLOCK = re.compile(r"(\d{1,2}):(\d{2})(?::(\d{2}))?\s*(?:([AaPp])\.?\s?[Mm]\.?|(noon|midnight))?")
+_MIXED = re.compile(r"(-?)(\d+)\s+(\d+)\s*/\s*(\d+)")
+
+
+def _clock(s: str) -> Clock | None:
+    """A time of day: ``H:MM`` with two-digit minutes below 60 (optionally ``:SS`` and
+    a.m./p.m., also inside ``\\text{}``). Times are their own kind of answer: ``5:30`` is neither
+    the ratio 1:6 nor the decimal 5.30, and two different times are never equal."""
+    m = _CLOCK.fullmatch(_unwrap_text(s).strip().rstrip("."))
+    if m is None:
+        return None
+    h, mins, secs, mer = int(m.group(1)), int(m.group(2)), int(m.group(3) or 0), m.group(4)
+    if m.group(5):  # 12:00 noon is 12:00 p.m.; 12:00 midnight is 12:00 a.m.
+        mer = "p" if m.group(5) == "noon" else "a"
+    if mins >= 60 or secs >= 60 or h > 24 or (mer and not 1 <= h <= 12):
+        return None
+    if mer:
+        mer = mer.lower() + "m"
+        h = h % 12 + (12 if mer == "pm" else 0)
+    elif h == 0 or h > 12:
+        mer = "24h"  # 17:30 names one time of day; only 1:00-12:59 is ambiguous
+    return Clock((h * 60 + mins) * 60 + secs, mer)
+
+
+def _mixed_number(s: str) -> str:
+    """``2 1/2`` (a whole number, a space, a proper fraction) is the mixed number 5/2, as in
+    ``2\\frac12``: the only reading of that spelling in an answer."""
+    m = _MIXED.fullmatch(s)
+    if m is None:
+        return s
+    sign, whole, num, den = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+    if not 0 < num < den:
+        return s
+    return f"{sign}\\frac{{{whole * den + num}}}{{{den}}}"
+
+
 def _leaf(s: str) -> Leaf:
     percent = bool(_PERCENT.search(s))
     if percent:
@@ -374,6 +423,7 @@ def _leaf(s: str) -> Leaf:
     s = _BASE_SUBSCRIPT.sub(r"\1", s)
     s = _LEADING_DOT.sub(r"0.\1", s)
     s = re.sub(r"\s+", " ", s).strip().rstrip(".").strip()
+    s = _mixed_number(s)
     if not s:
         raise NormalizeError("empty answer")
     return Leaf(s, percent, degrees)
@@ -390,11 +440,37 @@ _LABEL_TEXT = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?'?(?:\([A-Za-z]\))?")
 MAX_ITEMS = 64
 
 
+_LABEL = r"\(([a-h]|i{1,3}|iv|vi{0,3})\)"
+_PART = re.compile(r"(?:\\text(?:bf)?\{[\s,;]*(?:and\s*)?" + _LABEL + r"[\s:]*\}"
+                   r"|(?<![A-Za-z0-9\\_^{])" + _LABEL +
+                   r")\s*:?")
+_PART_SCHEMES = ("abcdefgh", ("i", "ii", "iii", "iv", "v", "vi", "vii", "viii"))
+
+
+def _parts(s: str) -> list[str] | None:
+    """``(a) 3, (b) 4`` / ``\\text{(a) } 3 \\text{ (b) } 4``: the answers of named parts, in
+    order, when the answer opens with the first label and the labels run (a), (b), ... (or
+    (i), (ii), ...). Parts are ordered: swapping them is a different answer."""
+    marks = list(_PART.finditer(s))
+    if len(marks) < 2 or s[:marks[0].start()].strip():
+        return None
+    labels = [m.group(1) or m.group(2) for m in marks]
+    if not any(list(sc[:len(labels)]) == labels for sc in _PART_SCHEMES):
+        return None
+    pieces = [s[m.end():(marks[k + 1].start() if k + 1 < len(marks) else len(s))]
+              for k, m in enumerate(marks)]
+    pieces = [re.sub(r"(?:[,;]|\\text\{\s*(?:and)?\s*\}|\band\b|\s)+$", "", p).strip() for p in pieces]
+    return pieces if all(pieces) else None
+
+
 def parse(s: str) -> Node:
     """The structure of a canonical answer (`canonical(s)` first)."""
     s = s.strip()
     if not s:
         raise NormalizeError("empty answer")
+    parts = _parts(s)
+    if parts is not None:
+        return _seq("tuple", [parse(p) for p in parts])
     text = _as_text(s)
     if text is not None:
         return text
@@ -436,6 +512,9 @@ def _parse_item(s: str) -> Node:
         raise NormalizeError("empty item")
     if s == "\\ldots":
         return Dots()
+    clock = _clock(s)
+    if clock is not None:
+        return clock
 
     parts = split_top(s, ("\\approx",))
     if len(parts) > 1:

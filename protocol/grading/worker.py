@@ -71,10 +71,20 @@ def _limit_memory(memory_mb: int) -> None:
         pass
 
 
+def _judges() -> dict:
+    """Judges a worker can run, by name: this grader, and math-verify for `--compare`."""
+    from protocol.grading import equivalence, mathverify
+
+    return {"grader": equivalence.judge, mathverify.NAME: mathverify.judge}
+
+
 def _worker_main(conn, memory_mb: int) -> None:
-    """Worker loop: receive (task_id, pred, gold), send (task_id, status, verdict, detail)."""
+    """Worker loop: receive (task_id, pred, gold, judge name), send (task_id, status, verdict,
+    detail); status "no_answer" when a judge that extracts its own answer finds none."""
     _limit_memory(memory_mb)
-    from protocol.grading.equivalence import Unparsable, judge
+    from protocol.grading.equivalence import Unparsable
+
+    judges = _judges()
 
     while True:
         try:
@@ -90,9 +100,11 @@ def _worker_main(conn, memory_mb: int) -> None:
             except ImportError:
                 conn.send(("limits", None, None))
             continue
-        task_id, pred, gold = msg
+        task_id, pred, gold, name = msg
         try:
-            out = (task_id, "ok", bool(judge(pred, gold)), None)
+            verdict = judges[name](pred, gold)
+            out = (task_id, "ok", bool(verdict), None) if verdict is not None else (
+                task_id, "no_answer", None, None)
         except Unparsable as exc:
             out = (task_id, "unparsable", None, str(exc)[:300])
         except MemoryError:
@@ -279,12 +291,15 @@ class WorkerPool:
             self._workers.append(self._spawn())
 
     def run(self, tasks: list[tuple[str, str]], timeout: float,
-            workers: int | None = None) -> list[tuple[str, bool | None, str | None]]:
-        """Judge every (pred, gold) with at most `workers` processes in parallel.
+            workers: int | None = None,
+            judge: str = "grader") -> list[tuple[str, bool | None, str | None]]:
+        """Judge every (pred, gold) with at most `workers` processes in parallel, by the judge
+        named `judge` ("grader", or "math-verify" when it is installed).
 
         Returns, per task in order, (status, verdict, detail) with status "ok" | "timeout" |
-        "unparsable". A task that is not answered within `timeout` seconds of being handed to a
-        worker is a timeout, and that worker is killed and replaced.
+        "unparsable" (| "no_answer" for math-verify). A task that is not answered within
+        `timeout` seconds of being handed to a worker is a timeout, and that worker is killed
+        and replaced.
         """
         if not tasks:
             return []
@@ -303,7 +318,7 @@ class WorkerPool:
                     try:
                         if w.conn.poll(0):  # an idle worker has nothing to say unless it died
                             raise BrokenPipeError
-                        w.conn.send((next_task, pred, gold))
+                        w.conn.send((next_task, pred, gold, judge))
                     except (BrokenPipeError, EOFError, OSError):  # died while idle: replace, retry
                         w.kill()
                         idle.append(self._replace(w))

@@ -2,36 +2,44 @@
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import click
 
+from retention.cli.options import splits_dir_option
+from retention.errors import RetentionError
+
 
 @click.command("bench")
 @click.option("--model", default="smollm2-135m", show_default=True, help="Model alias or local folder.")
-@click.option("--scorers", default="full,streaming,random", show_default=True,
+@click.option("--scorer", "--scorers", "scorers", default="full,streaming,random", show_default=True,
               help="Comma list of scorers and reference variants (dynamic-cache: plain transformers DynamicCache; "
-                   "ideal-crop: DynamicCache cut to the budget after every step, no scoring).")
+                   "ideal-crop: DynamicCache cut to the budget after every step, no scoring). --scorers: old name.")
 @click.option("--batch-sizes", default="1", show_default=True, help="Comma list of batch sizes (sequences per step).")
 @click.option("--context", "contexts", default=None,
               help="Comma list of context lengths C: decode after C tokens of real text instead of a MATH prompt.")
 @click.option("--budget", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--interval", type=click.IntRange(min=1), default=None, help="Default: min(128, budget).")
 @click.option("--accounting", default="mean", show_default=True, help="Comma list of accounting modes to measure.")
-@click.option("--new-tokens", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--problems", type=click.IntRange(min=0), default=5, show_default=True,
+@click.option("--max-new-tokens", "--new-tokens", "new_tokens", type=click.IntRange(min=1, max=1 << 20), default=512,
+              show_default=True, help="Tokens generated per measurement (--new-tokens: old name).")
+@click.option("--problems", type=click.IntRange(min=0, max=201), default=5, show_default=True,
               help="Dev problems for the agreement-with-full measurement (0 = skip).")
-@click.option("--agreement-tokens", type=click.IntRange(min=1), default=None,
+@click.option("--agreement-tokens", type=click.IntRange(min=1, max=1 << 20), default=None,
               help="Tokens per agreement generation (default: --new-tokens).")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None, help="Calibration stats for triattention/alpha.")
-@click.option("--lambda", "lam", type=float, default=None)
+@click.option("--lambda", "lam", type=click.FloatRange(min=0, max=1e6), default=None,
+              help="alpha/rkv redundancy weight.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the figures to this JSON file.")
+@click.option("--threads", type=click.IntRange(min=1, max=1024), default=None,
+              help="torch CPU threads, at most the CPU count (default: torch's choice).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Also write the figures to this JSON file (replaced atomically); they always go to stdout.")
+@splits_dir_option
 def bench_command(model, scorers, batch_sizes, contexts, budget, interval, accounting, new_tokens, problems, agreement_tokens, stats_path, lam,
-                  dtype, device, threads, out):
+                  dtype, device, threads, out, splits_dir):
     """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`."""
     import torch
 
@@ -40,10 +48,14 @@ def bench_command(model, scorers, batch_sizes, contexts, budget, interval, accou
     from retention.models import load_model
     from retention.scorers import get_scorer_class
 
+    from protocol.io import check_writable, dumps, ensure_dir, write_atomic
+    from protocol.report import json_safe
+    from retention.cadence import ACCOUNTING_MODES
     from retention.bench import REFERENCE_VARIANTS
-    from retention.errors import RetentionError
 
     names = [s.strip() for s in scorers.split(",") if s.strip()]
+    if not names:
+        raise RetentionError("--scorer needs at least one scorer name")
     for n in names:
         if n not in REFERENCE_VARIANTS:
             get_scorer_class(n)  # fail fast on an unknown name
@@ -52,18 +64,40 @@ def bench_command(model, scorers, batch_sizes, contexts, budget, interval, accou
     if not names or not sizes:
         raise RetentionError("--scorers and --batch-sizes need at least one entry")
     modes = [a.strip() for a in accounting.split(",") if a.strip()]
+    bad = [m for m in modes if m not in ACCOUNTING_MODES] or ([] if modes else ["(none)"])
+    if bad:
+        raise RetentionError(f"--accounting: {', '.join(bad)} is not one of {', '.join(ACCOUNTING_MODES)}")
+    if lam is not None and lam != lam:  # click's FloatRange lets nan through
+        raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
+    from retention.cli.scorer_options import resolve
+    from retention.policy import cadence_for
+    from retention.scorers import make_scorer
+
+    scorer_names = [n for n in names if n not in REFERENCE_VARIANTS]
+    if scorer_names:  # an option no listed scorer takes is an error, as in `run`
+        resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
+    for n in scorer_names:  # every cadence is checked before the model loads
+        for mode in modes:
+            cadence_for(make_scorer(n), budget, interval, mode)
+    if out:
+        check_writable(Path(out), "--out")
     if threads:
+        if threads > (os.cpu_count() or 1):  # far more threads than CPUs crashed torch
+            raise RetentionError(f"--threads {threads} is more than the {os.cpu_count()} CPUs of this machine")
         torch.set_num_threads(threads)
     loaded = load_model(model, dtype=dtype, device=device)
-    dev = load_split("dev")
+    dev = load_split("dev", splits_dir=splits_dir)
     params = {k: v for k, v in {"stats": stats_path, "lam": lam}.items() if v is not None}
     figures = run_bench(loaded, dev, names, budget, new_tokens, modes, problems, interval=interval, params=params,
-                        agreement_tokens=agreement_tokens, echo=click.echo, batch_sizes=sizes, contexts=ctxs)
+                        agreement_tokens=agreement_tokens, echo=lambda msg: click.echo(msg, err=True),
+                        batch_sizes=sizes, contexts=ctxs)
     figures["threads"] = torch.get_num_threads()
+    text = dumps(json_safe(figures), indent=2) + "\n"
+    click.echo(text, nl=False)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(figures, indent=2) + "\n")
-        click.echo(f"wrote {out}")
+        ensure_dir(Path(out).parent, "output folder")
+        write_atomic(Path(out), text)
+        click.echo(f"wrote {out}", err=True)
 
 
 def _int_list(text: str, option: str) -> list[int]:

@@ -6,17 +6,18 @@ from pathlib import Path
 
 import click
 
+from retention.cli.options import splits_dir_option
 from retention.errors import RetentionError
 
 
-def dev_split_text() -> str:
+def dev_split_text(splits_dir=None) -> str:
     """The default calibration text: every dev-split problem followed by its reference solution,
     separated by blank lines. Never the confirm split (its problems are held out for confirmation)."""
     try:
         from protocol.splits import load_split
     except ImportError as exc:  # pragma: no cover - the protocol package ships with this one
         raise RetentionError(f"the dev split is not available ({exc}); pass --text FILE") from None
-    problems = load_split("dev")
+    problems = load_split("dev", splits_dir=splits_dir)
     return "\n\n".join(f"{p.problem.strip()}\n\n{p.solution.strip()}" for p in problems)
 
 
@@ -30,12 +31,13 @@ def dev_split_text() -> str:
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="UTF-8 calibration text (default: the dev split's problems with their reference solutions; "
                    "never the confirm split).")
-@click.option("--tokens", type=int, default=8192, show_default=True,
+@click.option("--tokens", type=click.IntRange(min=1, max=1 << 24), default=8192, show_default=True,
               help="Calibrate on the first N tokens of the text (all of it if shorter).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="Model dtype while calibrating (statistics are accumulated in float64, stored float32).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
-def calibrate_command(model, out, text_path, tokens, dtype, device):
+@splits_dir_option
+def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     """Compute pre-RoPE query statistics (complex mean and mean modulus per layer, query head and
     RoPE band) for the query-free scorers `triattention` and `alpha`.
 
@@ -47,19 +49,29 @@ def calibrate_command(model, out, text_path, tokens, dtype, device):
     from retention.calibration import calibrate, default_stats_path
     from retention.models import load_model, resolve_model
 
-    resolve_model(model)  # a bad --model fails before the text is read
+    from protocol.io import check_writable, ensure_dir, read_text
+    from retention.models import resolve_device
+
+    resolve_model(model)  # a bad --model or --device fails before the text is read
+    resolve_device(device)
+    target = Path(out) if out else default_stats_path(model)
+    if text_path is not None and target.exists() and target.resolve() == Path(text_path).resolve():
+        raise RetentionError(f"--out {out} is the --text input; refusing to overwrite it")
+    check_writable(target, "--out")
     if text_path is not None:
-        text = Path(text_path).read_text(encoding="utf-8")
+        text = read_text(Path(text_path), "calibration text")
         source = f"file {Path(text_path).name}"
     else:
-        text = dev_split_text()
+        text = dev_split_text(splits_dir)
         source = "MATH-500 dev split: problem + reference solution"
     loaded = load_model(model, dtype=dtype, device=device)
     ids = loaded.tokenizer(text)["input_ids"][:tokens]
     if not ids:
         raise RetentionError("the calibration text is empty")
     stats = calibrate(loaded.model, ids, model_id=loaded.model_id, text_source=source)
-    path = stats.save(Path(out) if out else default_stats_path(loaded.name))
+    target = target if out else default_stats_path(loaded.name)
+    ensure_dir(target.parent, "statistics folder")
+    path = stats.save(target)
     click.echo(f"{path}: {len(ids)} tokens, {stats.meta['geometry']['layers']} layers x "
                f"{stats.meta['geometry']['q_heads']} query heads, sha256 {stats.meta['tokens_sha256'][:12]}")
 

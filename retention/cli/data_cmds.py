@@ -7,19 +7,16 @@ which the CLI prints as one line with exit status 1.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
 import click
 
 from protocol.errors import ProtocolError
+from retention.cli.options import splits_dir_option
 
 _DATA_HELP = "MATH-500 JSONL to use (default: the verified copy shipped in the package)."
-_SPLITS_HELP = "Directory holding the split manifest (default: splits/ at the repository root)."
 
 
 @click.group("splits")
@@ -29,8 +26,7 @@ def splits() -> None:
 
 @splits.command("verify")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
-@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_SPLITS_HELP)
+@splits_dir_option
 def splits_verify(data: Path | None, splits_dir: Path | None) -> None:
     """Recompute the splits from the data and compare with the committed lists and manifest."""
     from protocol.splits import verify_splits
@@ -46,8 +42,7 @@ def splits_verify(data: Path | None, splits_dir: Path | None) -> None:
 @click.option("--split", "name", type=click.Choice(["dev", "confirm"]), required=True,
               help="Which split to list.")
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None, help=_DATA_HELP)
-@click.option("--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help=_SPLITS_HELP)
+@splits_dir_option
 def splits_show(name: str, data: Path | None, splits_dir: Path | None) -> None:
     """Print the problem ids of a split, one per line, after verifying the splits."""
     from protocol.splits import split_ids
@@ -81,6 +76,8 @@ def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> li
             pid = rec.get("problem_id")
             if pid is None:
                 raise ProtocolError(f"{path}:{n}: record has neither 'gold' nor 'problem_id'")
+            if not isinstance(pid, str):
+                raise ProtocolError(f"{path}:{n}: 'problem_id' must be a string, got {type(pid).__name__}")
             if by_id is None:
                 from protocol.splits import problems_by_id
 
@@ -96,24 +93,6 @@ def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> li
     return pairs
 
 
-def _write_atomic(path: Path, lines: list[str]) -> None:
-    """Write next to `path` and rename over it, so a crash never leaves half a file."""
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.writelines(lines)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def summary_line(grades) -> str:
     n = len(grades)
     correct = sum(g.verdict is True for g in grades)
@@ -121,6 +100,23 @@ def summary_line(grades) -> str:
     reasons = Counter(g.reason for g in grades if g.verdict is None)
     detail = ", ".join(f"{r} {reasons.get(r, 0)}" for r in ("no_answer", "timeout", "unparsable"))
     return f"graded {n}: {correct} correct, {wrong} wrong, {n - correct - wrong} ungradable ({detail})"
+
+
+def _second_opinions(pairs, judge: str, timeout: float, workers: int):
+    from protocol.grading import second_opinions
+
+    return second_opinions(pairs, judge, timeout=timeout, workers=workers)
+
+
+def compare_line(grades, opinions) -> str:
+    """How the two graders' credit compares: agreement and the two kinds of disagreement."""
+    n = len(grades)
+    only_ours = sum(g.verdict is True and o.verdict is not True for g, o in zip(grades, opinions))
+    only_theirs = sum(g.verdict is not True and o.verdict is True for g, o in zip(grades, opinions))
+    ungradable = sum(o.verdict is None for o in opinions)
+    return (f"math-verify agrees on {n - only_ours - only_theirs}/{n}; disagreements "
+            f"{only_ours + only_theirs} (credited only by this grader {only_ours}, only by "
+            f"math-verify {only_theirs}); math-verify ungradable {ungradable}")
 
 
 @click.command("grade")
@@ -131,31 +127,69 @@ def summary_line(grades) -> str:
 @click.option("--data", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="MATH-500 JSONL for records that carry 'problem_id' instead of 'gold' "
                    "(default: the shipped copy).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
+@click.option("--timeout", type=click.FloatRange(min=0, max=3600, min_open=True), default=5.0,
               show_default=True, help="Seconds allowed per answer before it is 'timeout'.")
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1, max=64), default=2, show_default=True,
               help="Grading processes run in parallel.")
-def grade(file: Path, out: Path | None, data: Path | None, timeout: float, workers: int) -> None:
+@click.option("--compare", type=click.Choice(["math-verify"]), default=None,
+              help="Also grade with math-verify (optional extra 'mathverify'), in the same killable "
+                   "workers and timeout; each record gets its verdict under 'math_verify'.")
+@click.option("--disagreements", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --compare: write every record on which the two graders disagree about "
+                   "credit here (JSONL, both verdicts; atomically).")
+def grade(file: Path, out: Path | None, data: Path | None, timeout: float, workers: int,
+          compare: str | None, disagreements: Path | None) -> None:
     """Grade the JSONL records of FILE: each needs 'pred' (or 'text') and 'gold' (or 'problem_id').
 
     Each record is written back with 'extracted', 'verdict', 'reason' and 'rule' added.
     """
     from protocol.grading import grade_many
+    from protocol.io import dumps, write_atomic
 
+    from protocol.io import check_writable
+
+    if timeout != timeout:  # click's FloatRange lets nan through (every comparison is false)
+        raise click.BadParameter("nan is not a number of seconds", param_hint="'--timeout'")
+    if out is not None:
+        check_writable(out, "--out")
+    if data is not None:
+        from protocol.splits import problems_by_id
+
+        problems_by_id(data)  # a given --data is verified now, used or not
+    if disagreements is not None and compare is None:
+        raise ProtocolError("--disagreements needs --compare")
+    if compare is not None:
+        from protocol.grading import mathverify
+
+        if mathverify.version() is None:
+            raise ProtocolError("math-verify is not installed: pip install 'retention[mathverify]'")
     records = _read_records(file)
     pairs = _pairs(file, records, data)
     grades = grade_many(pairs, timeout=timeout, workers=workers)
-    lines = []
-    for (_, rec), g in zip(records, grades):
+    opinions = _second_opinions(pairs, compare, timeout, workers) if compare else None
+    lines, differ = [], []
+    for k, ((n, rec), g) in enumerate(zip(records, grades)):
         rec.update(g.as_record())
-        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+        if opinions is not None:
+            rec["math_verify"] = opinions[k].as_record()
+            if (g.verdict is True) != (opinions[k].verdict is True):
+                differ.append(dumps({"line": n, "pred": pairs[k][0], "gold": pairs[k][1],
+                                     "extracted": g.extracted, "verdict": g.verdict,
+                                     "reason": g.reason, "math_verify": rec["math_verify"]}) + "\n")
+        lines.append(dumps(rec) + "\n")
     line = summary_line(grades)
+    if opinions is not None:
+        line += "; " + compare_line(grades, opinions)
+        if disagreements is not None:
+            write_atomic(disagreements, "".join(differ))
+            line += f" (written to {disagreements})"
     if out is None:
-        sys.stdout.writelines(lines)
+        # Bytes, not text: a terminal's encoding must not fail on text the JSON escapes carry.
+        sys.stdout.buffer.write("".join(lines).encode("utf-8"))
         sys.stdout.flush()
         click.echo(line, err=True)
     else:
-        _write_atomic(out, lines)
+        write_atomic(out, "".join(lines))
         click.echo(f"{line} -> {out}")
 
 

@@ -10,15 +10,18 @@ runtime provides one.
 from __future__ import annotations
 
 import csv
+import functools
 import importlib
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import click
 
 from protocol.errors import ProtocolError
+from retention.cli.options import splits_dir_option
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,12 +98,19 @@ def _budget(text: str):
 
 
 def _read_csv_columns(path: Path, columns: list[str]) -> dict[str, list[str]]:
-    with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
+    import io as _io
+
+    from protocol.io import read_text
+
+    text = read_text(path, "CSV file")  # strict UTF-8, one clear line otherwise
+    reader = csv.DictReader(_io.StringIO(text, newline=""))
+    try:
         missing = [c for c in columns if c not in (reader.fieldnames or [])]
         if missing:
             raise ProtocolError(f"{path}: no column(s) {missing} (has {reader.fieldnames})")
         rows = list(reader)
+    except csv.Error as exc:  # e.g. a field over the csv module's 128 kB limit
+        raise ProtocolError(f"{path}:{reader.line_num}: unreadable CSV ({exc})") from None
     return {c: [r[c] for r in rows] for c in columns}
 
 
@@ -157,16 +167,17 @@ def _stats_table(r: dict, title: str) -> str:
 @click.option("--baseline", required=True, help="Column of the baseline arm's 0/1 outcomes.")
 @click.option("--cluster", required=True, help="Column identifying the problem (the cluster).")
 @click.option("--sample", default=None, help="Column of the generation index (refuses duplicates).")
-@click.option("--boot", type=click.IntRange(min=1), default=100_000, show_default=True,
+@click.option("--boot", type=click.IntRange(min=1, max=10_000_000), default=100_000, show_default=True,
               help="Cluster-bootstrap resamples.")
-@click.option("--boot-max", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+@click.option("--boot-max", type=click.IntRange(min=1, max=10_000_000), default=1_000_000, show_default=True,
               help="Resamples used instead when p is within 3 MC SEs of alpha/m.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Resampling seed.")
-@click.option("--cells", "m", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Number m of pre-registered cells (Bonferroni over m).")
+@click.option("--boot-seed", "--seed", "seed", type=click.IntRange(min=0, max=2**32 - 1), default=0,
+              show_default=True, help="Resampling seed (--seed: old name).")
+@click.option("--m", "--cells", "m", type=click.IntRange(min=1, max=1_000_000), default=1, show_default=True,
+              help="Number m of pre-registered cells, Bonferroni over m (--cells: old name).")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
               show_default=True, help="Family-wise significance level.")
-@click.option("--other-p", type=float, multiple=True,
+@click.option("--other-p", type=click.FloatRange(0, 1), multiple=True,
               help="Primary p-value of another cell (give m-1 of them for an exact Holm p).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def stats_cmd(file, treatment, baseline, cluster, sample, boot, boot_max, seed, m, alpha, other_p,
@@ -205,41 +216,49 @@ def stats_cmd(file, treatment, baseline, cluster, sample, boot, boot_max, seed, 
               help="Treatment KEY=VALUE (dotted keys nest: scorer_params.lambda=0.5).")
 @click.option("--baseline", default=None, help="Baseline configuration: JSON or @file.json.")
 @click.option("--baseline-set", multiple=True, help="Baseline KEY=VALUE (dotted keys nest).")
-@click.option("-k", "--samples", type=click.IntRange(min=1), required=True,
+@click.option("-k", "--samples", type=click.IntRange(min=1, max=10_000), required=True,
               help="Generations per problem and arm.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed of the runs.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), required=True,
+@click.option("--seed", type=click.IntRange(min=0, max=2**63 - 1), default=0, show_default=True,
+              help="Sampling seed of the runs.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1, max=1 << 20), required=True,
               help="Generation token limit.")
 @click.option("--test", type=click.Choice(["cluster-bootstrap"]), default="cluster-bootstrap",
               show_default=True, help="Primary test.")
-@click.option("--boot", type=click.IntRange(min=1), default=100_000, show_default=True,
+@click.option("--boot", type=click.IntRange(min=1, max=10_000_000), default=100_000, show_default=True,
               help="Bootstrap resamples.")
-@click.option("--boot-max", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+@click.option("--boot-max", type=click.IntRange(min=1, max=10_000_000), default=1_000_000, show_default=True,
               help="Resamples when p is near the threshold.")
-@click.option("--boot-seed", type=int, default=0, show_default=True, help="Resampling seed.")
+@click.option("--boot-seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True,
+              help="Resampling seed.")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
               show_default=True, help="Family-wise significance level.")
-@click.option("--m", "m", type=click.IntRange(min=1), default=None,
+@click.option("--m", "--cells", "m", type=click.IntRange(min=1, max=1_000_000), default=None,
               help="Bonferroni family size [default: number of cells].")
 @click.option("--model-revision", multiple=True, help="MODEL=REVISION pin (repeat).")
 @click.option("--manifest-hash", default=None,
               help="Split manifest sha256 [default: read from the committed splits].")
 @click.option("--code-version", default=None, help="Code version [default: version + git commit].")
-@click.option("--config-schema", type=int, default=None, help="Configuration schema version.")
+@click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
+              help="Configuration schema version.")
 @click.option("--note", default=None, help="Free text stored in the plan.")
+@splits_dir_option
 def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, baseline_set, samples,
                     seed, max_new_tokens, test, boot, boot_max, boot_seed, alpha, m,
-                    model_revision, manifest_hash, code_version, config_schema, note):
+                    model_revision, manifest_hash, code_version, config_schema, note, splits_dir):
     """Write a content-hashed pre-registration plan for a confirm run."""
     from protocol import prereg
+    from protocol.splits import manifest_sha256
 
-    from retention.cli.run_cmd import validate_arm_config
+    from retention.cli.run_cmd import normalize_arm, validate_plan
 
-    manifest = manifest_hash or prereg._current_manifest_hash()
-    treatment = _arm_config(treatment, treatment_set, "--treatment")
-    baseline = _arm_config(baseline, baseline_set, "--baseline")
-    validate_arm_config("treatment", treatment)
-    validate_arm_config("baseline", baseline)
+    if manifest_hash is not None and not re.fullmatch(r"[0-9a-f]{64}", manifest_hash):
+        raise click.ClickException(f"--manifest-hash must be 64 lowercase hex digits, got {manifest_hash!r}")
+    manifest = manifest_sha256(splits_dir)  # verifies the splits against the data
+    if manifest_hash is not None and manifest_hash != manifest:
+        raise click.ClickException(f"--manifest-hash {manifest_hash[:12]} is not the verified split manifest "
+                                   f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
+    treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
+    baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
     plan = prereg.build_plan(
         models=models, budgets=[_budget(b) for b in budgets],
         treatment=treatment, baseline=baseline, k=samples, seed=seed,
@@ -249,6 +268,7 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         model_revisions={k: str(v) for k, v in _key_values(model_revision, "--model-revision").items()},
         note=note)
+    validate_plan(plan)  # each arm of each cell exactly as `run` would validate it
     path, h, written = prereg.write_plan(plan, out)
     state = "registered" if written else "already registered (unchanged)"
     click.echo(f"plan {h[:12]} {state}: {path}")
@@ -299,19 +319,40 @@ def _resolve_runner(spec: str | None):
 @click.option("--manifest-hash", default=None,
               help="Split manifest sha256 [default: read from the committed splits].")
 @click.option("--code-version", default=None, help="Code version [default: version + git commit].")
-@click.option("--config-schema", type=int, default=None, help="Configuration schema version.")
+@click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
+              help="Configuration schema version.")
 @click.option("--runner", "runner_spec", default=None,
               help="Generation runner as MODULE:FUNCTION [default: the runtime's].")
+@splits_dir_option
+@click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
+              help="Only generate shard I of N of the cells' pairs (no ledger entry); a final run without "
+                   "--shard merges the shards and confirms. auto: from Slurm or RANK/WORLD_SIZE.")
 def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
-                config_schema, runner_spec):
+                config_schema, runner_spec, splits_dir, shard_text):
     """Run a registered plan's cells on the confirm split and record them in the ledger."""
     from protocol import prereg
 
+    from protocol.splits import manifest_sha256
+
+    from retention.cli import run_cmd
+
     plan, h = prereg.load_plan(plan_path)
+    if shard_text is not None:
+        from retention.confirm_shard import generate_confirm_shard
+        from retention.shard import parse_shard
+
+        generate_confirm_shard(plan_path, out or Path("results") / "confirm" / f"plan-{h[:12]}",
+                               parse_shard(shard_text), cells=list(cells) or None,
+                               overrides=_key_values(overrides, "--override") or None, reason=reason,
+                               manifest_hash=manifest_hash, log=click.echo)
+        return
     runner = _resolve_runner(runner_spec)
+    if runner is getattr(run_cmd, "confirm_runner", None):
+        runner = functools.partial(runner, splits_dir=splits_dir)
     out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
     entries = prereg.confirm(
-        plan_path, out, runner, manifest_hash=manifest_hash,
+        plan_path, out, runner, manifest_hash=manifest_hash or manifest_sha256(splits_dir),
+        validate=run_cmd.validate_arm,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         cells=list(cells) or None, overrides=_key_values(overrides, "--override") or None,
@@ -330,21 +371,24 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
               help="Baseline run (id, directory or scorer) [default: triattention, else the first].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("report"),
               show_default=True, help="Output directory.")
-@click.option("--boot", type=click.IntRange(min=1), default=100_000, show_default=True,
+@click.option("--boot", type=click.IntRange(min=1, max=10_000_000), default=100_000, show_default=True,
               help="Cluster-bootstrap resamples.")
-@click.option("--boot-max", type=click.IntRange(min=1), default=1_000_000, show_default=True,
+@click.option("--boot-max", type=click.IntRange(min=1, max=10_000_000), default=1_000_000, show_default=True,
               help="Resamples used when p is within 3 MC SEs of alpha/m.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Resampling seed.")
+@click.option("--boot-seed", "--seed", "seed", type=click.IntRange(min=0, max=2**32 - 1), default=0,
+              show_default=True, help="Resampling seed (--seed: old name).")
 @click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
               show_default=True, help="Family-wise significance level.")
-@click.option("--m", "m", type=click.IntRange(min=1), default=None,
+@click.option("--m", "--cells", "m", type=click.IntRange(min=1, max=1_000_000), default=None,
               help="Bonferroni family size [default: the plan's m, else the number of comparisons].")
 @click.option("--confirm-dir", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Confirm directory whose ledger and deviation log to include.")
 def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_dir):
     """Paired statistics, LaTeX/CSV tables, figures and diagnostics for RUN_DIRS."""
     from protocol import report
+    from protocol.io import check_writable_dir
 
+    check_writable_dir(out, "--out")
     rep = report.build_report(run_dirs, baseline=baseline, boot=boot, boot_max=boot_max,
                               seed=seed, alpha=alpha, m=m, confirm_dirs=confirm_dir)
     written = report.write_report(rep, out)

@@ -2,11 +2,12 @@
 
 Only the selection step differs from `triattention` (same scores, cadence and cache).
 
-V-signature of a token: the mean of its value vectors over all layers and all KV heads holding it,
-L2-normalised (`u`, `[d]`). Before any eviction every (layer, KV head) holds every token, so this is
-the plain mean over all `L * G` value vectors; once KV heads (or, with per-layer routing, layers)
-keep different tokens, a token's signature averages the copies that are still stored, identified by
-absolute position, so a stored slot always gets the signature of the token it holds.
+V-signature of a token: the mean of its value vectors over all `L` layers and all `G` KV heads,
+L2-normalised (`u`, `[d]`). It is computed once, when the token is written (then every (layer, KV
+head) holds it, `token_signatures`), and carried with the token: a per-slot buffer (`[B, G, n, d]`,
+or `[L, B, G, n, d]` with per-layer routing; about `1/L` of the values) is gathered with the same
+kept indices as the cache at every compaction. So a token's signature never depends on which of its
+copies later evictions left behind, and old and new tokens are compared on the same footing.
 
 Greedy selection per KV head (and per layer with `routing="per-layer"`), vectorised over batch and
 heads. The selected set starts with the protected tokens (they enter first, in index order, and add
@@ -34,28 +35,15 @@ from retention.scorers import register
 from retention.scorers.triattention import TriAttention
 
 
-def v_signatures(view: CacheView, per_layer: bool) -> torch.Tensor:
-    """Unit V-signatures of the stored tokens: `[B, G, n, d]` (indexed like layer 0's slots; with
-    shared routing every layer stores the same tokens per KV head) or `[L, B, G, n, d]` per layer.
+def token_signatures(values) -> torch.Tensor:
+    """V-signatures of freshly written tokens.
 
-    A token's signature is the mean of all stored value vectors with its absolute position, over
-    all layers and KV heads, computed with one scatter-add per layer into a `[B, t, d]` table.
+    values: `L` tensors `[B, G, q, d]`, the value vectors of the `q` newest tokens in every layer
+    (every KV head of every layer holds a token when it is written). Returns `[B, q, d]` float32,
+    the mean over the `L * G` vectors, L2-normalised (a zero mean stays zero: cosine 0 to all).
     """
-    B, _, _, d = view.values[0].shape
-    dev = view.values[0].device
-    t = max(int(view.next_position.max()), max(int(p.max()) + 1 for p in view.positions))
-    # Padding (position -1) goes to an extra column `t` that no stored token reads.
-    total = torch.zeros(B, t + 1, d, dtype=torch.float32, device=dev)
-    count = torch.zeros(B, t + 1, dtype=torch.float32, device=dev)
-    for v, p in zip(view.values, view.positions):
-        flat = p.masked_fill(p < 0, t).reshape(B, -1)
-        total.scatter_add_(1, flat[..., None].expand(-1, -1, d), v.float().reshape(B, -1, d))
-        count.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float32))
-    u = F.normalize(total / count.clamp(min=1)[..., None], dim=-1)  # zero vectors stay zero: cos 0
-    layers = view.positions if per_layer else view.positions[:1]
-    out = [torch.gather(u, 1, p.masked_fill(p < 0, t).reshape(B, -1, 1).expand(-1, -1, d)).reshape(*p.shape, d)
-           for p in layers]
-    return torch.stack(out) if per_layer else out[0]
+    mean = torch.stack([v.float() for v in values]).mean(dim=(0, 2))
+    return F.normalize(mean, dim=-1)
 
 
 def facility_location_keep(scores: torch.Tensor, signatures: torch.Tensor, protected: torch.Tensor, k: int,
@@ -103,6 +91,11 @@ class Alpha(TriAttention):
     lam: float = 0.5
     radius: float = 0.0
 
+    # Per-token state in the cache (`RetentionCache.add_extra`): `[S, G, cap, d]` float32 unit
+    # signatures, in layer 0 (shared routing) or in every layer (per-layer routing). The cache
+    # gathers it with the keys at every compaction, row move and slot refill.
+    EXTRA = "alpha_sig"
+
     def __post_init__(self):
         super().__post_init__()
         if not (self.lam >= 0 and self.lam != float("inf")):
@@ -110,8 +103,28 @@ class Alpha(TriAttention):
         if self.radius != self.radius:
             raise RetentionError("--radius must be a number")
 
+    def observe(self, cache, next_position) -> None:
+        """Write the signature of every token the last forward wrote (all layers and KV heads hold
+        it now) into the per-token buffer, at that token's slot in every KV head."""
+        super().observe(cache, next_position)
+        idx = cache.written_slots()  # [S, q]
+        S, q = idx.shape
+        G, d = cache.layers[0].vbuf.shape[1], cache.layers[0].vbuf.shape[-1]
+        gidx = idx[:, None, :, None].expand(S, G, q, d)
+        u = token_signatures([layer.vbuf.gather(2, gidx) for layer in cache.layers])  # [S, q, d]
+        u = u[:, None].expand(S, G, q, d)
+        for layer in range(len(cache.layers)) if self.per_layer else (0,):
+            cache.add_extra(layer, self.EXTRA, (d,)).scatter_(2, gidx, u)
+
+    def signatures(self, view: CacheView) -> torch.Tensor:
+        """The view's signatures: `[B, G, n, d]` (shared) or `[L, B, G, n, d]` (per layer)."""
+        if not view.extra or self.EXTRA not in view.extra[0]:
+            raise RuntimeError("alpha: no V-signatures in the cache (observe() not called after a forward?)")
+        if self.per_layer:
+            return torch.stack([x[self.EXTRA] for x in view.extra])
+        return view.extra[0][self.EXTRA]
+
     def select(self, scores: torch.Tensor, view: CacheView, k: int) -> torch.Tensor:
         """Kept indices `[B, G, k]` (shared) or `[L, B, G, k]` (per layer), sorted ascending."""
         protected = torch.stack(view.protected) if self.per_layer else view.protected[0]
-        sig = v_signatures(view, self.per_layer)
-        return facility_location_keep(scores, sig, protected, k, self.lam, self.radius)
+        return facility_location_keep(scores, self.signatures(view), protected, k, self.lam, self.radius)

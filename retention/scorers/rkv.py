@@ -1,29 +1,28 @@
 """`rkv`: R-KV, SnapKV importance mixed with key redundancy: `lam * I - (1 - lam) * R`.
 
-Shapes: layers `L`, batch `B`, KV heads `G`, stored tokens `n`, head dim `d`.
+Shapes: layers `L`, batch `B`, KV heads `G`, stored tokens (slots) `n`, head dim `d`.
 
-Per layer and KV head, over the candidates (every stored token except the `window` newest, whose
+Per layer and KV head; the candidates are every stored token except the `window` newest (whose
 queries form the observation window and which are always kept, as in `snapkv`):
 
 * `I[j]`: the SnapKV importance of `retention.scorers.snapkv` (window queries, max over the group's
-  query heads, softmax over candidates, mean over the window, max-pool kernel 7).
-* `R[j]`, redundancy. This project's reading of the spec line ("softmax over tokens of the
-  column-mean key cosine similarity with each token's most recent near-duplicate (cos > 0.5) not
-  counted"), stated exactly:
+  query heads, softmax over the candidates, mean over the window, max-pool kernel 7).
+* `R[j]`, redundancy, as the reference `cal_similarity` computes it, over **all** stored slots
+  (window included) and only then restricted to the candidates:
 
-      S[i, j] = cos(k_i, k_j) for candidates i != j, 0 on the diagonal
-      m(i)    = the most recent candidate j != i (highest absolute position) with S[i, j] > 0.5,
-                if any: token i's most recent near-duplicate
-      S[i, m(i)] := 0          (that one similarity is not counted)
-      R[j]    = softmax over candidates j of  (1 / n_c) * sum over candidates i of S[i, j]
+      S[i, j] = cos(k_i, k_j),  k / (|k| + 1e-8),  0 on the diagonal
+      m(i)    = the largest slot j with S[i, j] > 0.5 (in position-ordered storage: the newest
+                near-duplicate of token i); if there is none, m(i) = 0 (a reference quirk: slot 0
+                loses the similarity of every row without a partner)
+      S[i, m(i)] := 0
+      R[j]    = softmax over all stored j of  (1 / n) * sum over all stored i of S[i, j]
 
-  So a token that is the most recent copy of its near-duplicates collects none of their similarity
-  and looks non-redundant, while older copies look redundant: among repeated content, R-KV keeps the
-  newest ("retain the last"). The threshold is strict (`>`), the mean divides by the number of
-  candidates `n_c` (diagonal included as 0), the keys are the stored post-RoPE keys.
+  So the newest copy of repeated content collects none of its near-duplicates' similarity and
+  looks non-redundant, while older copies look redundant ("retain the last").
 
-Score `lam * I - (1 - lam) * R` (default `lam = 0.1`), window tokens +inf; top-`(b - w)` per
-(layer, KV head) plus the window. Reference defaults: window 8, kernel 7, interval 128.
+Score `lam * I - (1 - lam) * R` at the candidates (default `lam = 0.1`, the R-KV README's value; its
+code defaults to 0.07, see docs/scorers.md), window tokens +inf; top-`(b - w)` per (layer, KV head)
+plus the window. Reference defaults: window 8, kernel 7, interval 128.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from retention.cache import CacheView
 from retention.errors import RetentionError
@@ -39,24 +37,33 @@ from retention.scorers import register
 from retention.scorers.snapkv import SnapKV
 
 
-def key_redundancy(keys: torch.Tensor, positions: torch.Tensor, candidates: torch.Tensor,
-                   threshold: float = 0.5) -> torch.Tensor:
-    """R of one layer (module doc): keys `[B, G, n, d]`, positions `[B, G, n]`, candidates `[B, G, n]`
-    bool -> `[B, G, n]` float32, a distribution over the candidates (0 elsewhere)."""
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+    """R of one layer (module doc) over every valid slot, window included.
+
+    keys `[B, G, n, d]`, valid `[B, G, n]` bool (False on padding, which must follow the stored
+    slots) -> `[B, G, n]` float32, a distribution over the valid slots (0 on padding). Callers take
+    the candidates' entries (`rkv_scores`).
+    """
     n = keys.shape[2]
-    k = F.normalize(keys.float(), dim=-1, eps=1e-8)
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
     sim = k @ k.transpose(-1, -2)  # [B, G, n, n]
     eye = torch.eye(n, dtype=torch.bool, device=keys.device)
-    valid = candidates[..., :, None] & candidates[..., None, :] & ~eye
-    sim = sim.masked_fill(~valid, 0.0)
-    near = valid & (sim > threshold)
-    # Each row's most recent near-duplicate: the highest position among its near-duplicates.
-    pos = positions[..., None, :].expand_as(sim)
-    latest = torch.where(near, pos, -1).amax(dim=-1, keepdim=True)  # [B, G, n, 1]; -1: none
-    sim = sim.masked_fill(near & (pos == latest), 0.0)
-    n_c = candidates.sum(-1, keepdim=True).clamp(min=1).float()
-    colmean = sim.sum(dim=-2) / n_c  # [B, G, n]: mean over rows i of column j
-    return torch.softmax(colmean.masked_fill(~candidates, float("-inf")), dim=-1).nan_to_num_(0.0)
+    pair = valid[..., :, None] & valid[..., None, :]
+    sim = sim.masked_fill(~pair | eye, 0.0)
+    # Each row's largest partner slot (-1: none), then the reference's fallback to slot 0.
+    slots = torch.arange(n, device=keys.device)
+    partner = torch.where(sim > threshold, slots, -1).amax(dim=-1, keepdim=True).clamp(min=0)  # [B, G, n, 1]
+    sim = sim.masked_fill(slots == partner, 0.0)
+    count = valid.sum(-1, keepdim=True).clamp(min=1).float()
+    colmean = sim.sum(dim=-2) / count  # [B, G, n]: the zeroed diagonal counts in the divisor
+    return torch.softmax(colmean.masked_fill(~valid, float("-inf")), dim=-1).nan_to_num_(0.0)
+
+
+def rkv_scores(importance: torch.Tensor, redundancy: torch.Tensor, candidates: torch.Tensor,
+               lam: float) -> torch.Tensor:
+    """`lam * I - (1 - lam) * R` at the candidates, -inf elsewhere. All `[B, G, n]`."""
+    return (lam * importance - (1.0 - lam) * redundancy).masked_fill(~candidates, float("-inf"))
 
 
 @register("rkv")
@@ -78,8 +85,8 @@ class RKV(SnapKV):
         out = []
         for l in range(view.num_layers):
             win = self.window_mask(view, l)
-            imp = self.importance(view, l)
-            red = key_redundancy(view.keys[l], view.positions[l], ~win & view.valid[l], self.threshold)
-            out.append((self.lam * imp - (1.0 - self.lam) * red).masked_fill(win, float("inf"))
-                       .masked_fill(~view.valid[l], float("-inf")))
+            valid = view.valid[l]
+            red = key_redundancy(view.keys[l], valid, self.threshold)
+            out.append(rkv_scores(self.importance(view, l), red, ~win & valid, self.lam)
+                       .masked_fill(win & valid, float("inf")))
         return torch.stack(out)

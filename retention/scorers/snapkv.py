@@ -11,8 +11,8 @@ compaction, per layer and KV head:
    window's own `w`, i.e. the `w` newest positions), times the model's attention scale;
 2. max over the group's `r` query heads, on the raw logits;
 3. softmax over the candidates in float32, mean over the `w` window queries;
-4. 1-D max-pool over the stored order, kernel 7, stride 1, same padding (window slots are 0 there,
-   which never wins a max over probabilities, so this equals pooling over the candidates alone);
+4. 1-D max-pool over the stored order (slot neighbours), kernel 7, stride 1, same size, over the
+   candidates alone (window slots and padding never win);
 5. top-`(b - w)` per (layer, KV head), plus the `w` window tokens (scored +inf: always kept).
 
 Reference defaults: `w = 8`, kernel 7, interval 128. The scorer asks the cadence to protect at least
@@ -33,21 +33,42 @@ from retention.scorers import register
 from retention.scorers.base import WindowScorer
 
 
+def group_max_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Step 1-2: window queries `[B, Hq, w, d]` against keys `[B, G, n, d]` -> `[B, G, w, n]` float32
+    logits `q . k * scaling`, max over each KV head's `r = Hq / G` query heads (before any softmax)."""
+    B, G, n, d = keys.shape
+    Hq, w = queries.shape[1], queries.shape[2]
+    q = queries.float().reshape(B, G, Hq // G, w, d)
+    return torch.einsum("bgrwd,bgnd->bgrwn", q, keys.float()).amax(dim=2) * scaling
+
+
+def window_attention_mean(logits: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Step 3: logits `[B, G, w, n]`, candidates `[B, G, n]` bool -> `[B, G, n]` float32: softmax over
+    the candidates only (the window's own keys and padding are outside the normalisation), mean over
+    the `w` queries; 0 at non-candidates (a row without candidates is all 0, not NaN)."""
+    probs = torch.softmax(logits.float().masked_fill(~candidates[:, :, None, :], float("-inf")), dim=-1)
+    return probs.nan_to_num_(0.0).mean(dim=2)
+
+
+def pool_candidates(x: torch.Tensor, candidates: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Step 4: 1-D max-pool `[B, G, n]` over slot neighbours (kernel `kernel`, stride 1, same size).
+    Non-candidates never contribute (they enter as -inf, like the reference's edge padding: the
+    reference pools the candidate slice alone) and come out as 0."""
+    B, G, n = x.shape
+    xs = x.float().masked_fill(~candidates, float("-inf")).reshape(B * G, 1, n)
+    pooled = F.max_pool1d(xs, kernel_size=kernel, stride=1, padding=kernel // 2).reshape(B, G, n)
+    return pooled.masked_fill(~candidates, 0.0)
+
+
 def window_importance(queries: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, scaling: float,
                       kernel: int) -> torch.Tensor:
     """SnapKV importance of one layer (steps 1-4 of the module doc).
 
-    queries `[B, Hq, w, d]`, keys `[B, G, n, d]`, candidates `[B, G, n]` bool -> `[B, G, n]` float32,
-    zero on non-candidates before pooling.
+    queries `[B, Hq, w, d]`, keys `[B, G, n, d]`, candidates `[B, G, n]` bool (not window, not
+    padding) -> `[B, G, n]` float32, zero on non-candidates.
     """
-    B, G, n, d = keys.shape
-    Hq, w = queries.shape[1], queries.shape[2]
-    q = queries.float().reshape(B, G, Hq // G, w, d)
-    logits = torch.einsum("bgrwd,bgnd->bgrwn", q, keys.float()).amax(dim=2) * scaling  # [B, G, w, n]
-    logits = logits.masked_fill(~candidates[:, :, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(dim=2)  # all-masked rows -> 0, not NaN
-    pooled = F.max_pool1d(probs.reshape(B * G, 1, n), kernel_size=kernel, stride=1, padding=kernel // 2)
-    return pooled.reshape(B, G, n)
+    probs = window_attention_mean(group_max_logits(queries, keys, scaling), candidates)
+    return pool_candidates(probs, candidates, kernel)
 
 
 @register("snapkv")

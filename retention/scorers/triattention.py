@@ -54,16 +54,19 @@ def future_phase(inv_freq: torch.Tensor, t: int, offsets=OFFSETS) -> torch.Tenso
     return torch.polar(torch.ones_like(ang), ang).mean(-1)
 
 
-def query_weights(qm: torch.Tensor, qa: torch.Tensor, inv_freq: torch.Tensor, t: int, kv_heads: int):
+def query_weights(qm: torch.Tensor, qa: torch.Tensor, inv_freq: torch.Tensor, t: int, kv_heads: int,
+                  freq_scale: torch.Tensor | None = None, offsets=OFFSETS):
     """Per-query-head weights of the linear score form, for all layers at query position `t`.
 
-    qm: `[L, Hq, F]` complex; qa: `[L, Hq, F]`; inv_freq: `[F]`.
+    qm: `[L, Hq, F]` complex; qa: `[L, Hq, F]`; inv_freq: `[F]`; freq_scale: optional `[F]` weight of
+    both terms per band (the reference's `freq_scale_sq`, ones for default RoPE; None = ones).
     Returns (trig `[L, G, r, d]`, norm `[L, G, r, F]`) float32: `s = k . trig + |k_f| . norm`.
     """
     L, Hq, F = qm.shape
-    w = qm.to(torch.complex128) * future_phase(inv_freq, t).to(qm.device)  # [L, Hq, F]
+    scale = 1.0 if freq_scale is None else freq_scale.double().to(qm.device)
+    w = qm.to(torch.complex128) * future_phase(inv_freq, t, offsets).to(qm.device) * scale  # [L, Hq, F]
     trig = torch.cat([w.real, w.imag], dim=-1).float().reshape(L, kv_heads, Hq // kv_heads, 2 * F)
-    norm = (qa.double() - qm.to(torch.complex128).abs()).float().reshape(L, kv_heads, Hq // kv_heads, F)
+    norm = ((qa.double() - qm.to(torch.complex128).abs()) * scale).float().reshape(L, kv_heads, Hq // kv_heads, F)
     return trig, norm
 
 
@@ -100,15 +103,36 @@ def rope_inverted_head_scores(keys: torch.Tensor, positions: torch.Tensor, qm: t
     return trig + norm
 
 
-def zscore_group_max(raw: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """raw `[B, G, r, n]`, candidates `[B, G, n]` bool -> `[B, G, n]`: each (head) row z-scored over
-    its candidates (population std, clamped at 1e-6), then the max over the group's `r` query heads."""
-    c = candidates[:, :, None, :].to(raw.dtype)
+def zscore_rows(raw: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """raw `[..., n]`, candidates `[..., n]` bool (broadcastable) -> `[..., n]`: each row standardised
+    over its candidates (mean and population std, the std floored at 1e-6). Values at
+    non-candidates (protected tokens, padding) are meaningless: callers mask them."""
+    c = candidates.to(raw.dtype)
     cnt = c.sum(-1, keepdim=True).clamp(min=1)
     mean = (raw * c).sum(-1, keepdim=True) / cnt
     var = (((raw - mean) ** 2) * c).sum(-1, keepdim=True) / cnt
-    z = (raw - mean) / var.sqrt().clamp(min=STD_FLOOR)
-    return z.amax(dim=2)
+    return (raw - mean) / var.sqrt().clamp(min=STD_FLOOR)
+
+
+def zscore_group_max(raw: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """raw `[B, G, r, n]`, candidates `[B, G, n]` bool -> `[B, G, n]`: each (head) row z-scored over
+    its candidates (`zscore_rows`), then the max over the group's `r` query heads."""
+    return zscore_rows(raw, candidates[:, :, None, :]).amax(dim=2)
+
+
+def global_union_keep(z: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """The reference's `per_head_pruning=False` selection: one kept set shared by every head.
+
+    z: `[B, R, n]` standardised score rows (all `R = L * Hq` (layer, query head) rows); valid:
+    `[B, n]` bool (False on padding). Each row nominates its top `k`; among the union of the
+    nominees the `k` with the highest max-over-rows score are kept (the union of `R >= 1` rows of
+    `k` distinct picks always holds at least `k`). Returns `[B, k]` ascending.
+    """
+    z = z.float().masked_fill(~valid[:, None, :], float("-inf"))
+    nominated = torch.zeros_like(valid)
+    nominated.scatter_(-1, torch.topk(z, k, dim=-1).indices.flatten(1), True)
+    combined = z.amax(dim=1).masked_fill(~nominated, float("-inf"))
+    return torch.sort(torch.topk(combined, k, dim=-1).indices, dim=-1).values
 
 
 @register("triattention")

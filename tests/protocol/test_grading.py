@@ -18,6 +18,8 @@ from protocol.grading import Grade, extract_answer, grade, grade_many
 
 ROOT = Path(protocol.__file__).resolve().parent.parent
 CASES = ROOT.parent / "shared" / "grading" / "cases.jsonl"
+CORPUS_DIR = Path(__file__).resolve().parent / "grading_corpus"
+CORPUS = CORPUS_DIR / "corpus.jsonl"
 TIMEOUT = 10.0  # generous: these tests are about verdicts; safety has its own tests
 
 
@@ -41,6 +43,60 @@ def test_case_file_agreement_at_least_99_percent(case_results):
         print(f"  #{i} [{c['category']}] expected {c['expected']}, got {g.verdict} ({g.reason}); "
               f"extracted {g.extracted!r} via {g.rule}; gold {c['gold']!r}")
     assert agreement >= 0.99
+
+
+# -------------------------------------------------------------------------- the public corpus
+
+@pytest.fixture(scope="module")
+def corpus():
+    return [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def corpus_results(corpus):
+    return grade_many([(r["pred"], r["gold"]) for r in corpus], timeout=TIMEOUT, workers=2)
+
+
+def test_corpus_agreement_and_no_false_positive(corpus, corpus_results):
+    wrong = [(r, g) for r, g in zip(corpus, corpus_results) if (g.verdict is True) != r["expected"]]
+    false_pos = [(r, g) for r, g in wrong if g.verdict is True]
+    print(f"\ncorpus agreement: {len(corpus) - len(wrong)}/{len(corpus)}; false positives {len(false_pos)}")
+    for r, g in wrong:
+        print(f"  [{r['category']}/{r['style']}] expected {r['expected']}, got {g.verdict} ({g.reason}); "
+              f"extracted {g.extracted!r} via {g.rule}; gold {r['gold']!r}")
+    assert 1 - len(wrong) / len(corpus) >= 0.995
+    assert not false_pos
+
+
+def test_corpus_size_labels_and_categories(corpus):
+    assert len(corpus) >= 1000
+    assert all(set(r) == {"pred", "gold", "expected", "category", "style", "variant"} for r in corpus)
+    by_cat: dict[str, set] = {}
+    for r in corpus:
+        by_cat.setdefault(r["category"], set()).add(r["expected"])
+    math_types = {"integer", "fraction", "radical_pi", "interval", "tuple", "set", "list", "matrix",
+                  "equation", "text", "units", "degrees", "base", "complex", "decimal", "expression"}
+    families = {"clock", "percent", "mixed_number", "thousands_sep", "multi_part", "chat_leftover",
+                "markdown_final", "last_sentence", "several_boxes", "think"}
+    assert math_types | families <= set(by_cat), sorted(math_types | families - set(by_cat))
+    one_sided = sorted(c for c in math_types | families if by_cat[c] != {True, False})
+    assert not one_sided  # every answer type and family has true pairs and near misses
+    styles = {r["style"] for r in corpus}
+    assert {"r1_think", "truncated_think", "chat_leftover", "hedged_boxes", "markdown_heading",
+            "bold_final_answer", "last_sentence", "display_math", "handwritten"} <= styles
+
+
+def test_corpus_is_what_its_generator_writes(corpus):
+    """The data file is the generator's output (no hand edits outside handwritten.jsonl)."""
+    import importlib.util
+
+    data = ROOT.parent / "shared" / "data" / "math500.jsonl"
+    if not data.exists():
+        pytest.skip("MATH-500 data not present")
+    spec = importlib.util.spec_from_file_location("make_corpus", CORPUS_DIR / "make_corpus.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.build(data) == corpus
 
 
 def test_case_file_never_crashes_and_records_a_rule(case_results):
@@ -124,6 +180,70 @@ def test_extraction_rules(text, answer, rule):
     assert extract_answer(text) == (answer, rule)
 
 
+# families of outputs whose final answer is not one clean box (issue 11): each rule on its own
+FINAL_ANSWER_RULES = [
+    # markdown "Final Answer" headings and bold answers
+    ("Work.\n\n**Final Answer**\n\n**42**", "42", "final_answer"),
+    ("Work.\n\n**Final Answer:** 42", "42", "answer"),
+    ("Work.\n\n### Final Answer\nThe number of such integers is **17**.", "17", "final_answer"),
+    ("Therefore, the answer is **7**.", "7", "final_answer"),
+    # the answer in the last sentence
+    ("We count them. Therefore, there are 12 such numbers.", "12", "is"),
+    ("We count them. Therefore, there are 12 such numbers.\n\nI hope this helps!", "12", "is"),
+    ("So the recipe needs 2 1/2 cups.", "2 1/2", "is"),
+    ("Adding it up, the train arrives at 5:30 p.m.", "5:30 p.m.", "is"),
+    ("So the answer is twenty-five percent.", "25\\%", "final_answer"),
+    ("Therefore, the answer is three-fourths.", "3/4", "final_answer"),
+    ("So, the sum of all such $n$ is 120.", "120", "is"),
+    # chat-template leftovers and repeated turns after the answer
+    ("So $\\boxed{5}$.<|im_end|>\n<|im_start|>user\nAnd 2+2?<|im_end|>\n<|im_start|>assistant\n$\\boxed{4}$",
+     "5", "boxed"),
+    ("So $\\boxed{5}$.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n$\\boxed{7}$", "5", "boxed"),
+    ("So $\\boxed{5}$.</s><s>[INST] next [/INST] $\\boxed{7}$", "5", "boxed"),
+    ("So $\\boxed{5}$.\n\nHuman: and 7?\n\nAssistant: $\\boxed{7}$", "5", "boxed"),
+    ("So $\\boxed{5}$.\n\nQuestion: What is 1+1?\nAnswer: $\\boxed{2}$", "5", "boxed"),
+    ("Problem: find $x$.\n\nSolution: $x = 3$, so $\\boxed{3}$", "3", "boxed"),
+    ("<|im_start|>assistant\nThe answer is $\\boxed{5}$<|im_end|>", "5", "boxed"),
+    # think blocks: the answer after </think>; the scratchpad's boxes are tentative
+    ("<think>maybe \\boxed{7}? no.</think>\n\nThe answer is $\\boxed{5}$.", "5", "boxed"),
+    ("<think>\nok\n</think>\nThe answer is 7.", "7", "final_answer"),
+    # labelled parts: one ordered answer; hedged boxes: one list
+    ("(a) $\\boxed{3}$\n\n(b) $\\boxed{4}$", "(3, 4)", "boxed"),
+    ("**Part (b):** $\\boxed{4}$ and **Part (a):** $\\boxed{3}$", "(3, 4)", "boxed"),
+    ("I think $\\boxed{3}$ or maybe $\\boxed{4}$", "3, 4", "boxed"),
+    ("$\\boxed{3}$. Alternatively, $\\boxed{4}$.", "3, 4", "boxed"),
+    ("$\\boxed{3}$. Wait, I dropped a term. $\\boxed{4}$.", "4", "boxed"),
+]
+
+
+@pytest.mark.parametrize("text, answer, rule", FINAL_ANSWER_RULES)
+def test_final_answer_rules(text, answer, rule):
+    assert extract_answer(text) == (answer, rule)
+
+
+@pytest.mark.parametrize("text", [
+    "So the number of ways is 4 times the",                # a truncated sentence states nothing
+    "Now consider $n = 3$. So for n = 4 we",
+    "<think>\nSo far $\\boxed{5}$, but let me verify. Expanding again we",  # cut inside the think
+    "<think>\nok \\boxed{7}\n</think>",                                   # nothing after it
+    "<think>\nok\n</think>\n\n",
+])
+def test_no_final_answer_in_truncated_outputs(text):
+    assert extract_answer(text) == (None, None)
+    assert grade(text, "5").reason == "no_answer"
+
+
+def test_a_different_value_restated_after_the_box_gets_no_credit():
+    texts = ["We get $\\boxed{12}$. Thus there are 13 such numbers.",
+             "The answer is $\\boxed{12}$. But wait, actually it should be 13.",
+             "We get $\\boxed{12}$. Thus there are 12 such numbers.",
+             "We get $\\boxed{12}$. The other root is 3, which we reject."]
+    got = grade_many([(t, "12") for t in texts] + [(texts[1], "13")], timeout=TIMEOUT)
+    assert [g.verdict for g in got] == [False, False, True, True, False]
+    assert got[0].others == ("13",) and got[0].as_record()["other_answers"] == ["13"]
+    assert "other_answers" not in got[3].as_record()
+
+
 @pytest.mark.parametrize("text", ["", None, "   ", "word " * 200,
                                   "Let me think step by step.\n\nFirst we expand the product and"])
 def test_no_answer(text):
@@ -167,6 +287,21 @@ EQUIVALENCE = [
     # base subscripts, primes, one-letter units
     ("204_5", "204", True), ("f'", "f", False), ("2f'+1", "1+2f'", True),
     ("2m", "2", False), ("10 m", "10", True), ("1,000.99m^2", "1000.99", True),
+    # mixed numbers, percentages, \textnormal units, thousands separators
+    ("2 1/2", r"\frac52", True), (r"2\ \frac12", "2.5", True), ("3 1/2", r"\frac52", False),
+    (r"2 \frac{1}{2}", "1", False), ("twenty-five percent", r"25\%", True), ("25%", "0.25", True),
+    ("25%", "0.025", False), (r"12\textnormal{ cm}", "12", True), (r"12\textnormal{ cm}", "13", False),
+    ("1 000 000", "1000000", True), (r"1{,}000{,}000", "10^6", True), (r"10\ 080", "10080", True),
+    (r"1{,}001", "1000", False),
+    # clock times: never equal to another time, nor to a number
+    ("5:30", "5:30", True), ("5:30 PM", r"5:30\text{ p.m.}", True), ("5:30 pm", "17:30", True),
+    ("5:30", "5:45", False), ("5:30", "6:30", False), ("5:30", "5.30", False), ("5:30", "17:30", False),
+    ("5:30 AM", "17:30", False), (r"9:40\text{ p.m.}", r"9:40\text{ a.m.}", False),
+    ("5:30:15", "5:30", False), ("12:00", r"12:00\text{ noon}", True), ("12:30 a.m.", "0:30", True),
+    ("7:32", "S_{MBCN}:S=7:32", True),
+    # named parts are ordered
+    ("(a) 3, (b) 4", "3, 4", True), ("(a) 4, (b) 3", "3, 4", False),
+    (r"\text{(a) } 3, \text{ (b) } 4", "(3,4)", True),
 ]
 
 
@@ -286,4 +421,55 @@ def test_cli_grade_bad_input_is_one_line_and_writes_nothing(tmp_path, lines, nee
 
 def test_cli_grade_missing_file(tmp_path):
     res = CliRunner().invoke(_cli(), ["grade", str(tmp_path / "none.jsonl")])
-    assert res.exit_code == 2 and "does not exist" in res.output
+    assert res.exit_code == 1 and "does not exist" in res.output  # click's usage error, one line, exit 1
+
+
+
+# ---------------------------------------------------------------------- --compare math-verify
+
+def _has_math_verify() -> bool:
+    from protocol.grading import mathverify
+
+    return mathverify.version() is not None
+
+
+@pytest.mark.skipif(not _has_math_verify(), reason="math-verify not installed (extra 'mathverify')")
+def test_cli_grade_compare_math_verify_writes_both_verdicts_and_the_disagreements(tmp_path):
+    src, out, dis = tmp_path / "r.jsonl", tmp_path / "out.jsonl", tmp_path / "dis.jsonl"
+    leftover = (r"So $\boxed{5}$.<|im_end|>" "\n<|im_start|>user\nAnd 2+2?<|im_end|>\n"
+                r"<|im_start|>assistant\n$\boxed{4}$")
+    _write(src, [{"pred": r"so $\boxed{\frac12}$", "gold": "0.5"},  # both credit it
+                 {"pred": leftover, "gold": "5"},                    # the next turn's box is not this answer
+                 {"pred": r"$\boxed{7}$", "gold": "8"}])             # both refuse it
+    res = CliRunner().invoke(_cli(), ["grade", str(src), "--out", str(out), "--compare", "math-verify",
+                                      "--disagreements", str(dis)])
+    assert res.exit_code == 0, res.output
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["verdict"] for r in got] == [True, True, False]
+    assert all(set(r["math_verify"]) == {"verdict", "reason"} for r in got)
+    assert got[0]["math_verify"]["verdict"] is True and got[2]["math_verify"]["verdict"] is False
+    differ = [json.loads(line) for line in dis.read_text().splitlines()]
+    expected = [r for r in got if (r["verdict"] is True) != (r["math_verify"]["verdict"] is True)]
+    assert [d["line"] for d in differ] == [got.index(r) + 1 for r in expected]
+    assert all({"pred", "gold", "extracted", "verdict", "reason", "math_verify"} <= set(d) for d in differ)
+    n = len(differ)
+    assert f"math-verify agrees on {3 - n}/3; disagreements {n} " in res.output
+
+
+def test_cli_grade_disagreements_needs_compare(tmp_path):
+    src = tmp_path / "r.jsonl"
+    _write(src, RECORDS[1:2])
+    res = CliRunner().invoke(_cli(), ["grade", str(src), "--disagreements", str(tmp_path / "d.jsonl")])
+    assert res.exit_code == 1 and res.output.strip() == "Error: --disagreements needs --compare"
+
+
+def test_cli_grade_compare_without_math_verify_is_one_error_line(tmp_path, monkeypatch):
+    from protocol.grading import mathverify
+
+    monkeypatch.setattr(mathverify, "version", lambda: None)
+    src = tmp_path / "r.jsonl"
+    _write(src, RECORDS[1:2])
+    res = CliRunner().invoke(_cli(), ["grade", str(src), "--compare", "math-verify"])
+    assert res.exit_code == 1
+    assert res.output.strip().splitlines() == [
+        "Error: math-verify is not installed: pip install 'retention[mathverify]'"]

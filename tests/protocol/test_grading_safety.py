@@ -259,3 +259,18 @@ def test_grading_works_off_the_main_thread():
     t.start()
     t.join(TIMEOUT + 30)
     assert not t.is_alive() and out and out[0].verdict is False
+
+
+def test_math_verify_runs_under_the_same_kill():
+    """`--compare math-verify` runs math-verify in the grading workers: a computation its own
+    alarm could not stop is killed at the deadline, and the worker is replaced."""
+    from protocol.grading import mathverify, second_opinions
+
+    if mathverify.version() is None:
+        pytest.skip("math-verify not installed (extra 'mathverify')")
+    second_opinions([("1", "1")], "math-verify", timeout=60)  # import it in the workers first
+    t0 = time.monotonic()
+    got = second_opinions([(r"\boxed{10^{10}!}", "4"), (r"\boxed{4}", "4")], "math-verify",
+                          timeout=TIMEOUT)
+    assert time.monotonic() - t0 <= 2 * (TIMEOUT + MARGIN) + 2  # a fresh worker imports it again
+    assert got[0].verdict is not True and got[1].verdict is True

@@ -51,6 +51,16 @@ class FakeRunner:
                         meta_extra={"plan_hash": cfg["plan_hash"]})
 
 
+def _log(path) -> list[dict]:
+    """Verified entries of a ledger or deviation log, with the key of the plan its lines name."""
+    from protocol.ledger import Registry
+
+    lines = [json.loads(x) for x in Path(path).read_text().splitlines()] if Path(path).exists() else []
+    if not lines:
+        return []
+    return prereg.HashChain(path, Registry().require_key(lines[0]["plan_hash"])).entries()
+
+
 def cli_runner(cell, arm, cfg, out_dir):
     """Runner for the CLI test (`--runner tests.protocol.test_prereg:cli_runner`)."""
     return FakeRunner()(cell, arm, cfg, out_dir)
@@ -138,7 +148,7 @@ def test_confirm_runs_every_cell_and_records_provenance(plan_file, tmp_path):
         assert cfg["split"] == "confirm" and cfg["plan_hash"] == h
         assert (cfg["samples"], cfg["seed"], cfg["max_new_tokens"]) == (2, 0, 4096)
     assert runner.configs[1]["scorer_params"] == {"lambda": 0.5}
-    ledger = prereg.HashChain(prereg.ledger_path(out)).entries()
+    ledger = _log(prereg.ledger_path(out))
     assert [e["cell_id"] for e in ledger] == ["qwen-1.5b@b256", "qwen-1.5b@b512"]
     for entry in ledger:
         assert entry["plan_hash"] == h and entry["code_version"] == "0.1.0+gtest"
@@ -158,7 +168,7 @@ def test_confirm_runs_every_cell_and_records_provenance(plan_file, tmp_path):
     again = stats.paired_test(report.pair_runs(t, b), alpha=0.05, m=2, boot=2000, boot_max=2000, seed=0)
     assert again.to_dict() == ledger[0]["result"]
     assert entries[0]["hash"] == ledger[0]["hash"]
-    assert prereg.HashChain(prereg.deviations_path(out)).entries() == []
+    assert _log(prereg.deviations_path(out)) == []
 
 
 def test_second_confirmation_is_refused(plan_file, tmp_path):
@@ -171,7 +181,7 @@ def test_second_confirmation_is_refused(plan_file, tmp_path):
     with pytest.raises(ProtocolError, match="second confirmation"):
         run_confirm(path, out, runner, cells=["qwen-1.5b@b256"])
     assert runner.calls == []
-    assert len(prereg.HashChain(prereg.ledger_path(out)).entries()) == 2
+    assert len(_log(prereg.ledger_path(out))) == 2
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -214,14 +224,14 @@ def test_crash_is_logged_and_the_rerun_recorded(plan_file, tmp_path):
     out = tmp_path / "confirm"
     with pytest.raises(ProtocolError, match="crashed"):
         run_confirm(path, out, FakeRunner(fail={("qwen-1.5b@b512", "treatment")}))
-    assert [e["cell_id"] for e in prereg.HashChain(prereg.ledger_path(out)).entries()] == ["qwen-1.5b@b256"]
-    devs = prereg.HashChain(prereg.deviations_path(out)).entries()
+    assert [e["cell_id"] for e in _log(prereg.ledger_path(out))] == ["qwen-1.5b@b256"]
+    devs = _log(prereg.deviations_path(out))
     assert [(d["kind"], d["cell_id"], d["arm"]) for d in devs] == [("crash", "qwen-1.5b@b512", "treatment")]
     assert "out of memory" in devs[0]["error"]
     runner = FakeRunner()
     entries = run_confirm(path, out, runner)
     assert {c for c, _ in runner.calls} == {"qwen-1.5b@b512"}  # the confirmed cell is not rerun
-    kinds = [d["kind"] for d in prereg.HashChain(prereg.deviations_path(out)).entries()]
+    kinds = [d["kind"] for d in _log(prereg.deviations_path(out))]
     assert kinds == ["crash", "rerun_after_crash"]
     assert len(entries[0]["deviations"]) == 1
 
@@ -233,12 +243,12 @@ def test_overrides_and_runner_mismatches_are_deviations(plan_file, tmp_path):
     run_confirm(path, out, runner, cells=["qwen-1.5b@b256"], overrides={"max_new_tokens": 8192},
                 reason="OOM-free limit on this GPU")
     assert all(cfg["max_new_tokens"] == 8192 for cfg in runner.configs)
-    devs = prereg.HashChain(prereg.deviations_path(out)).entries()
+    devs = _log(prereg.deviations_path(out))
     assert [d["kind"] for d in devs] == ["override"]  # the runner recorded what it was asked
     assert devs[0]["field"] == "max_new_tokens" and devs[0]["reason"] == "OOM-free limit on this GPU"
     runner = FakeRunner(tamper={"max_new_tokens": 1000})
     entry = run_confirm(path, out, runner, cells=["qwen-1.5b@b512"])[0]
-    devs = prereg.HashChain(prereg.deviations_path(out)).entries()
+    devs = _log(prereg.deviations_path(out))
     mism = [d for d in devs if d["kind"] == "config_mismatch"]
     assert {(d["arm"], d["field"], d["planned"], d["actual"]) for d in mism} == {
         ("baseline", "max_new_tokens", 4096, 1000), ("treatment", "max_new_tokens", 4096, 1000)}
@@ -250,14 +260,14 @@ def test_run_off_the_confirm_split_is_refused(plan_file, tmp_path):
     out = tmp_path / "confirm"
     with pytest.raises(ProtocolError, match="confirm split"):
         run_confirm(path, out, FakeRunner(tamper={"split": "dev"}))
-    assert prereg.HashChain(prereg.ledger_path(out)).entries() == []
+    assert _log(prereg.ledger_path(out)) == []
 
 
 def test_code_version_change_is_a_deviation(plan_file, tmp_path):
     path, _ = plan_file
     out = tmp_path / "confirm"
     entries = run_confirm(path, out, FakeRunner(), code_version="0.2.0")
-    devs = prereg.HashChain(prereg.deviations_path(out)).entries()
+    devs = _log(prereg.deviations_path(out))
     assert [d["kind"] for d in devs] == ["code_version", "code_version"]
     assert all(e["code_version"] == "0.2.0" for e in entries)
 
@@ -267,7 +277,7 @@ def test_code_version_change_is_a_deviation(plan_file, tmp_path):
 
 
 def _chain(tmp_path, n=3) -> prereg.HashChain:
-    chain = prereg.HashChain(tmp_path / "log.jsonl")
+    chain = prereg.HashChain(tmp_path / "log.jsonl", b"k" * 32)
     for i in range(n):
         chain.append({"kind": "cell", "cell_id": f"c{i}", "value": i})
     return chain
@@ -283,7 +293,8 @@ def test_chain_verifies_and_links(tmp_path):
 def test_edited_line_detected(tmp_path):
     chain = _chain(tmp_path)
     lines = chain.path.read_text().splitlines()
-    lines[1] = lines[1].replace('"value":1', '"value":7')
+    assert '"value": 1' in lines[1]
+    lines[1] = lines[1].replace('"value": 1', '"value": 7')
     chain.path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ProtocolError, match="line 2|:2:"):
         chain.entries()
@@ -325,10 +336,17 @@ def test_deleted_ledger_does_not_allow_a_second_confirmation(plan_file, tmp_path
     path, _ = plan_file
     out = tmp_path / "confirm"
     run_confirm(path, out, FakeRunner(), cells=["qwen-1.5b@b256"])
+    before = _log(prereg.ledger_path(out))
     prereg.ledger_path(out).unlink()
     Path(str(prereg.ledger_path(out)) + ".head").unlink()
-    with pytest.raises(ProtocolError, match="sidecars"):
+    with pytest.raises(ProtocolError, match="already confirmed"):
         run_confirm(path, out, FakeRunner(), cells=["qwen-1.5b@b256"])
+    # the confirm directory's copy is re-created from the registry
+    assert [_content(e) for e in _log(prereg.ledger_path(out))] == [_content(e) for e in before]
+
+
+def _content(e):
+    return {k: v for k, v in e.items() if k not in ("prev", "hash")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,7 +366,7 @@ def test_report_of_confirm_runs_shows_plan_and_deviations(plan_file, tmp_path):
     assert "Pre-registration" in tex and h[:12] in tex and "max\\_new\\_tokens" in tex
     assert f"plan: {h[:12]}; 2 deviation(s)" in report.terminal_summary(rep)
     # Records edited after confirmation are flagged.
-    run_dir = out / prereg.HashChain(prereg.ledger_path(out)).entries()[0]["runs"]["treatment"]["path"]
+    run_dir = out / _log(prereg.ledger_path(out))[0]["runs"]["treatment"]["path"]
     recs = (run_dir / "records.jsonl").read_text().splitlines()
     first = json.loads(recs[0])
     first["verdict"] = not first["verdict"]
@@ -368,11 +386,11 @@ def _cli(args):
 
 
 def _preregister(tmp_path, *extra):
-    return _cli(["preregister", "--out", str(tmp_path), "--model", "qwen-1.5b", "--budget", "256",
-                 "--budget", "512", "--treatment", '{"scorer": "alpha", "accounting": "mean"}',
-                 "--treatment-set", "scorer_params.lam=0.5", "--baseline-set", "scorer=triattention",
+    return _cli(["preregister", "--out", str(tmp_path), "--model", "tiny-random", "--budget", "256",
+                 "--budget", "512", "--treatment", '{"scorer": "rkv", "accounting": "mean"}',
+                 "--treatment-set", "scorer_params.lambda=0.5", "--baseline-set", "scorer=streaming",
                  "-k", "2", "--max-new-tokens", "4096", "--boot", "2000", "--boot-max", "2000",
-                 "--manifest-hash", MANIFEST, "--code-version", "0.1.0+gtest", *extra])
+                 "--code-version", "0.1.0+gtest", *extra])
 
 
 def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
@@ -381,14 +399,18 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     plans = list(tmp_path.glob("plan-*.json"))
     assert len(plans) == 1 and "registered" in res.output
     plan, h = prereg.load_plan(plans[0])
-    assert plan["treatment"] == {"scorer": "alpha", "accounting": "mean", "scorer_params": {"lam": 0.5}}
-    assert plan["baseline"] == {"scorer": "triattention"}
-    assert plan == new_plan(treatment=plan["treatment"], baseline=plan["baseline"])
+    # `scorer_params.lambda` (the --help example) is stored under the parameter's field name
+    assert plan["treatment"] == {"scorer": "rkv", "accounting": "mean", "scorer_params": {"lam": 0.5}}
+    assert plan["baseline"] == {"scorer": "streaming"}
+    from protocol.splits import manifest_sha256
+
+    assert plan == new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"],
+                            manifest_hash=manifest_sha256())  # the verified splits' manifest
     res = _preregister(tmp_path)
     assert res.exit_code == 0 and "already registered" in res.output
 
     out = tmp_path / "confirm"
-    base = ["confirm", "--plan", str(plans[0]), "--out", str(out), "--manifest-hash", MANIFEST,
+    base = ["confirm", "--plan", str(plans[0]), "--out", str(out),
             "--code-version", "0.1.0+gtest"]
     monkeypatch.setattr(prereg, "DEFAULT_RUNNER", None)
     import retention.cli.run_cmd as run_cmd
@@ -396,13 +418,13 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     monkeypatch.delattr(run_cmd, "confirm_runner", raising=False)
     res = _cli(base)
     assert res.exit_code != 0 and "no generation runner" in res.output
-    res = _cli(base + ["--runner", "tests.protocol.test_prereg:cli_runner", "--cell", "qwen-1.5b@b256"])
+    res = _cli(base + ["--runner", "tests.protocol.test_prereg:cli_runner", "--cell", "tiny-random@b256"])
     assert res.exit_code == 0, res.output
     assert "confirmed" in res.output
     monkeypatch.setattr(prereg, "DEFAULT_RUNNER", FakeRunner())
     res = _cli(base)
     assert res.exit_code == 0, res.output
-    assert "already confirmed, not rerun: qwen-1.5b@b256" in res.output
+    assert "already confirmed, not rerun: tiny-random@b256" in res.output
     res = _cli(base)
     assert res.exit_code != 0 and res.output.startswith("Error:") and "already confirmed" in res.output
     assert len(res.output.strip().splitlines()) == 1

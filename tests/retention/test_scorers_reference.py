@@ -173,16 +173,17 @@ def ref_importance(q, keys, cand_idx):
     return [max(mean[max(0, c - 3):c + 4]) for c in range(n_c)]  # kernel 7, stride 1, same padding
 
 
-def ref_redundancy(keys, positions, cand_idx, thr=0.5):
-    n_c = len(cand_idx)
-    kn = [keys[j].double() / max(float(keys[j].double().norm()), 1e-8) for j in cand_idx]
-    S = [[0.0 if a == c else float(kn[a] @ kn[c]) for c in range(n_c)] for a in range(n_c)]
-    for a in range(n_c):
-        dups = [c for c in range(n_c) if c != a and S[a][c] > thr]
-        if dups:
-            latest = max(dups, key=lambda c: int(positions[cand_idx[c]]))
-            S[a][latest] = 0.0
-    col = [sum(S[a][c] for a in range(n_c)) / n_c for c in range(n_c)]
+def ref_redundancy(keys, thr=0.5):
+    """R-KV redundancy over all n stored slots (window included), plain Python float64, as the
+    golden README states the reference: k / (|k| + 1e-8), diagonal 0, zero each row's largest
+    partner slot (slot 0 when it has none), column mean over n rows, softmax over n."""
+    n = keys.shape[0]
+    kn = [keys[j].double() / (float(keys[j].double().norm()) + 1e-8) for j in range(n)]
+    S = [[0.0 if a == c else float(kn[a] @ kn[c]) for c in range(n)] for a in range(n)]
+    for a in range(n):
+        dups = [c for c in range(n) if c != a and S[a][c] > thr]
+        S[a][max(dups) if dups else 0] = 0.0
+    col = [sum(S[a][c] for a in range(n)) / n for c in range(n)]
     m = max(col)
     e = [math.exp(x - m) for x in col]
     return [x / sum(e) for x in e]
@@ -198,7 +199,8 @@ def ref_window_scores(view, queries, lam=None):
                 q = queries[l][b, g * R:(g + 1) * R]
                 imp = ref_importance(q, view.keys[l][b, g], cand)
                 if lam is not None:
-                    red = ref_redundancy(view.keys[l][b, g], pos, cand)
+                    red_all = ref_redundancy(view.keys[l][b, g])
+                    red = [red_all[j] for j in cand]
                     imp = [lam * x - (1 - lam) * y for x, y in zip(imp, red)]
                 for c, j in enumerate(cand):
                     out[l, b, g, j] = imp[c]
@@ -240,8 +242,8 @@ def test_rkv_matches_reference():
 
 
 def test_rkv_keeps_the_newest_of_near_duplicates():
-    """Three near-identical keys: the newest is nobody's ... it is everybody's most recent duplicate,
-    so its column loses their similarity and it scores as the least redundant of the three."""
+    """Three near-identical keys: the newest (largest slot) is everybody's most recent duplicate, so
+    its column loses their similarity and it scores as the least redundant of the three."""
     from retention.scorers.rkv import key_redundancy
 
     gen = torch.Generator().manual_seed(11)
@@ -249,8 +251,7 @@ def test_rkv_keeps_the_newest_of_near_duplicates():
     base = torch.randn(16, generator=gen)
     for j in (2, 5, 7):
         keys[0, 0, j] = base + 0.01 * torch.randn(16, generator=gen)
-    pos = torch.arange(9)[None, None]
-    red = key_redundancy(keys, pos, torch.ones(1, 1, 9, dtype=torch.bool))[0, 0]
+    red = key_redundancy(keys, torch.ones(1, 1, 9, dtype=torch.bool))[0, 0]
     assert red[7] < red[2] and red[7] < red[5]
     torch.testing.assert_close(red.sum(), torch.tensor(1.0))
 
@@ -341,5 +342,27 @@ def test_h2o_accumulator_follows_compaction():
         want = torch.tensor([[[ref[l][(g, int(p))] for p in view.positions[l][0, g]] for g in range(G)]],
                             dtype=torch.float64)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
-    scores = sc.score(view)
-    assert torch.isinf(scores[:, :, :, -2:]).all() and torch.isfinite(scores[:, :, :, :-2]).all()
+    keep = sc.select(sc.score(view), view, 5)
+    assert bool((keep[..., -2:] == torch.tensor([4, 5])).all())  # window=2: the two newest slots kept
+
+
+def test_h2o_splits_the_budget_evenly_by_default():
+    """Default H2O: k - k//2 newest tokens plus the k//2 heaviest of the rest (the reference split),
+    whatever the accumulated mass of the recent ones."""
+    from retention.scorers.h2o import heavy_recent_keep, recent_mask
+
+    sc = make_scorer("h2o")
+    assert sc.window is None and sc.min_recent() == 0
+    n = 12
+    mass = torch.arange(n, 0, -1, dtype=torch.float32).expand(1, 1, 1, n).clone()  # older = heavier
+    pos = torch.arange(n).expand(1, 1, n)
+    view = CacheView([torch.zeros(1, 1, n, 1)], [torch.zeros(1, 1, n, 1)], [pos], [torch.zeros(1, 1, n, dtype=torch.bool)], n,
+                     extra=[{sc.EXTRA: mass[0]}])
+    assert sc.select(sc.score(view), view, 7)[0, 0, 0].tolist() == [0, 1, 2, 8, 9, 10, 11]  # 3 heavy + 4 recent
+    assert sc.select(sc.score(view), view, 6)[0, 0, 0].tolist() == [0, 1, 2, 9, 10, 11]
+    # padding (invalid slots after the stored ones) is neither recent nor kept
+    valid = torch.ones(1, n, dtype=torch.bool)
+    valid[0, -3:] = False
+    assert recent_mask(valid, 2)[0].nonzero().flatten().tolist() == [7, 8]
+    keep = heavy_recent_keep(mass[0, 0], valid, torch.zeros_like(valid), 2, 2)
+    assert keep[0].tolist() == [0, 1, 7, 8]

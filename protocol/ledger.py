@@ -1,0 +1,249 @@
+"""Keyed, write-ahead hash chains and the user-level registry of plans and confirmations.
+
+One confirmation per (plan, cell), wherever `confirm` runs: the registry lives in a user-level
+state directory (`$RETENTION_STATE_DIR`, else the platform's user state directory), keyed by plan
+hash, so neither `--out`, the working directory nor the plan file's name or location matter.
+
+Each registered plan has a folder `<state>/plans/<plan hash>/` holding
+
+* `key`: 32 random bytes (hex) created at registration; every ledger line of the plan is chained
+  with HMAC-SHA256 under it, so a chain recomputed with plain sha256 (or any other key) fails;
+* `ledger.jsonl` (+ `.head`): the authoritative record of the plan's confirmed cells;
+* `.lock`: held by a running confirmation, so two confirmations of one plan cannot race.
+
+Copies of the ledger are kept beside the plan (`<plan stem>.ledger.jsonl`) and in the confirm
+directory (`ledger.jsonl`, read by `report`); a cell present in any verified copy is confirmed.
+
+Write-ahead: before a line is appended, the head file is replaced (atomically) by
+`{"count", "hash", "pending": <the full entry>}`; after the append it becomes `{"count", "hash"}`.
+A kill at any moment therefore leaves a state `entries()` completes: the pending entry is written
+(or its newline finished) and the head moved on. Nothing is ever left "unusable".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from protocol.errors import ProtocolError
+from protocol.io import (append_line, canonical_json, ensure_dir, exclusive_lock, jsonl_line,
+                         load_json_object, read_jsonl, write_atomic)
+
+STATE_ENV = "RETENTION_STATE_DIR"
+GENESIS = "0" * 64
+
+
+def state_dir() -> Path:
+    """The user-level state directory (`$RETENTION_STATE_DIR` overrides the platform default)."""
+    env = os.environ.get(STATE_ENV)
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("retention", appauthor=False))
+
+
+def entry_hash(key: bytes, prev: str, content: dict) -> str:
+    """HMAC-SHA256 of `prev + canonical(content)` under the plan's key."""
+    return hmac.new(key, (prev + canonical_json(content)).encode("utf-8"), hashlib.sha256).hexdigest()
+
+
+class HashChain:
+    """An append-only JSONL log, each line `{..content.., "prev", "hash"}` chained by HMAC.
+
+    `<name>.head` is the write-ahead checkpoint (module docstring). `entries()` verifies every line
+    (an edited, removed, reordered or inserted line, a recomputed chain, a truncated tail are all
+    refused) and completes an interrupted append.
+    """
+
+    def __init__(self, path: Path, key: bytes):
+        self.path = Path(path)
+        self.head_path = self.path.with_name(self.path.name + ".head")
+        self.key = key
+
+    def _hash(self, prev: str, content: dict) -> str:
+        return entry_hash(self.key, prev, content)
+
+    def _read_head(self) -> dict | None:
+        if not self.head_path.exists():
+            return None
+        head = load_json_object(self.head_path, "ledger head")
+        if not isinstance(head.get("count"), int) or not isinstance(head.get("hash"), str):
+            raise ProtocolError(f"{self.head_path}: not a head checkpoint")
+        return head
+
+    def _verify(self, rows) -> list[dict]:
+        prev, out = GENESIS, []
+        for lineno, entry in rows:
+            content = {k: v for k, v in entry.items() if k != "hash"}
+            if entry.get("prev") != prev:
+                raise ProtocolError(f"{self.path}:{lineno}: chain broken (a line was removed, "
+                                    "reordered or inserted)")
+            if entry.get("hash") != self._hash(prev, content):
+                raise ProtocolError(f"{self.path}:{lineno}: hash mismatch (line was edited, or the "
+                                    "chain recomputed without the plan's key)")
+            prev = entry["hash"]
+            out.append(entry)
+        return out
+
+    def entries(self) -> list[dict]:
+        """All entries after verifying the chain (and completing an interrupted append)."""
+        head = self._read_head()
+        if not self.path.exists():
+            if head is None:
+                return []
+            if head["count"] == 0 and "pending" in head:  # killed before the first line
+                return self._complete(head, [], 0)
+            raise ProtocolError(f"{self.path} is missing but its head checkpoint exists")
+        read = read_jsonl(self.path, "ledger")
+        entries = self._verify(read.rows)
+        if head is None:
+            if entries or read.partial_tail:
+                raise ProtocolError(f"{self.head_path} is missing (log tampered)")
+            return entries
+        count, pending = head["count"], head.get("pending")
+        if pending is not None:
+            if len(entries) == count + 1 and entries[-1] == pending and not read.partial_tail:
+                self._write_head(count + 1, pending["hash"])
+                return entries
+            if len(entries) == count:
+                return self._complete(head, entries, read.valid_end)
+            raise ProtocolError(f"{self.path}: does not match its write-ahead head")
+        if read.partial_tail:
+            raise ProtocolError(f"{self.path}: unreadable last line with no pending write (corrupt log)")
+        if count != len(entries) or (count and entries[-1]["hash"] != head["hash"]):
+            raise ProtocolError(f"{self.path}: does not match its head checkpoint "
+                                "(lines were removed, added or rewritten)")
+        return entries
+
+    def _complete(self, head: dict, entries: list[dict], valid_end: int) -> list[dict]:
+        """Finish the append the head announced: drop a half line, write the entry, move the head."""
+        pending = head["pending"]
+        prev = entries[-1]["hash"] if entries else GENESIS
+        body = {k: v for k, v in pending.items() if k != "hash"}
+        if body.get("prev") != prev or pending.get("hash") != self._hash(prev, body):
+            raise ProtocolError(f"{self.head_path}: pending entry does not extend {self.path}")
+        if self.path.exists():
+            with open(self.path, "r+b") as fh:
+                fh.truncate(valid_end)
+        append_line(self.path, jsonl_line(pending))
+        self._write_head(len(entries) + 1, pending["hash"])
+        return entries + [pending]
+
+    def _write_head(self, count: int, last: str, pending: dict | None = None) -> None:
+        head = {"count": count, "hash": last, **({"pending": pending} if pending else {})}
+        write_atomic(self.head_path, canonical_json(head) + "\n")
+
+    def append(self, content: dict) -> dict:
+        """Verify, then append one entry write-ahead; returns the entry with `prev` and `hash`."""
+        existing = self.entries()
+        prev = existing[-1]["hash"] if existing else GENESIS
+        body = {k: v for k, v in content.items() if k not in ("prev", "hash")}
+        body["prev"] = prev
+        entry = {**body, "hash": self._hash(prev, body)}
+        ensure_dir(self.path.parent, "ledger folder")
+        self._write_head(len(existing), prev, pending=entry)
+        append_line(self.path, jsonl_line(entry))
+        self._write_head(len(existing) + 1, entry["hash"])
+        return entry
+
+
+class Registry:
+    """Plans and their confirmations in the user-level state directory, keyed by plan hash."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else state_dir()
+
+    def plan_dir(self, plan_h: str) -> Path:
+        return self.root / "plans" / plan_h
+
+    def key(self, plan_h: str) -> bytes | None:
+        path = self.plan_dir(plan_h) / "key"
+        if not path.exists():
+            return None
+        try:
+            return bytes.fromhex(path.read_text(encoding="ascii").strip())
+        except (OSError, ValueError, UnicodeDecodeError):
+            raise ProtocolError(f"{path}: unreadable plan key (registry damaged)") from None
+
+    def register(self, plan_h: str) -> bytes:
+        """The plan's key, created (mode 0600) if the plan is not registered yet."""
+        existing = self.key(plan_h)
+        if existing is not None:
+            return existing
+        folder = ensure_dir(self.plan_dir(plan_h), "registry folder")
+        key = secrets.token_bytes(32)
+        path = folder / "key"
+        try:
+            # O_EXCL: two registrations at once agree on the first key written.
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            return self.key(plan_h)
+        except OSError as exc:
+            raise ProtocolError(f"cannot register plan in {folder}: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "w") as fh:
+            fh.write(key.hex() + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        return key
+
+    def require_key(self, plan_h: str) -> bytes:
+        key = self.key(plan_h)
+        if key is None:
+            raise ProtocolError(f"plan {plan_h[:12]} is not registered in {self.root} "
+                                f"(set ${STATE_ENV} to the registry it was registered in)")
+        return key
+
+    def ledger(self, plan_h: str) -> HashChain:
+        return HashChain(self.plan_dir(plan_h) / "ledger.jsonl", self.require_key(plan_h))
+
+    def lock(self, plan_h: str):
+        ensure_dir(self.plan_dir(plan_h), "registry folder")
+        return exclusive_lock(self.plan_dir(plan_h) / ".lock", f"confirmation of plan {plan_h[:12]}")
+
+
+def plan_ledger_path(plan_path: Path) -> Path:
+    """The ledger kept beside a plan file: `plan-abc.json` -> `plan-abc.ledger.jsonl`."""
+    plan_path = Path(plan_path)
+    return plan_path.with_name(plan_path.stem + ".ledger.jsonl")
+
+
+def ledger_path(out_dir: Path) -> Path:
+    return Path(out_dir) / "ledger.jsonl"
+
+
+def deviations_path(out_dir: Path) -> Path:
+    return Path(out_dir) / "deviations.jsonl"
+
+
+def plan_of_chain(path: Path) -> str | None:
+    """The plan hash a ledger's lines name (read unverified, to find the key that verifies them)."""
+    if not Path(path).exists():
+        return None
+    hashes = {e.get("plan_hash") for e in read_jsonl(path, "ledger").objects} - {None}
+    if len(hashes) > 1:
+        raise ProtocolError(f"{path}: lines of several plans ({', '.join(sorted(h[:12] for h in hashes))})")
+    return hashes.pop() if hashes else None
+
+
+def read_confirmation(out_dir: Path, registry: Registry | None = None) -> dict:
+    """Verified ledger and deviation log of a confirm directory.
+
+    Returns {"plan_hash", "cells", "deviations", "registered": {cell id: registry entry} or None}.
+    `registered` is None when the plan's key is not in this registry (the lines cannot be verified);
+    `report` then shows the runs as unconfirmed.
+    """
+    registry = registry or Registry()
+    out_dir = Path(out_dir)
+    h = plan_of_chain(ledger_path(out_dir)) or plan_of_chain(deviations_path(out_dir))
+    key = registry.key(h) if h else None
+    if h is None or key is None:
+        return {"plan_hash": h, "cells": [], "deviations": [], "registered": None}
+    cells = HashChain(ledger_path(out_dir), key).entries()
+    deviations = HashChain(deviations_path(out_dir), key).entries()
+    registered = {e["cell_id"]: e for e in registry.ledger(h).entries() if e.get("kind") == "cell"}
+    return {"plan_hash": h, "cells": [e for e in cells if e.get("kind") == "cell"],
+            "deviations": deviations, "registered": registered}

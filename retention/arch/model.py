@@ -1,0 +1,99 @@
+"""`ArchLM`: a causal LM of pre-RMSNorm blocks (attention of one layout family + SwiGLU), untied
+embeddings, decoding through a `LayoutCache` with explicit absolute positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from retention.arch.cache import LayoutCache
+from retention.arch.configs import TINY, ArchConfig
+from retention.arch.modules import ATTENTION, RMSNorm
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ArchConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.self_attn = ATTENTION[cfg.family](cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.hidden, cfg.ffn)
+
+    def forward(self, x, pos, cache):
+        x = x + self.self_attn(self.input_layernorm(x), pos, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ArchConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+
+
+@dataclass
+class ArchOutput:
+    logits: torch.Tensor  # [B, q, vocab]
+
+
+class ArchLM(nn.Module):
+    """Parameter names match transformers' Llama/DeepSeek-V2 causal LMs (`model.layers.N.self_attn...`)."""
+
+    def __init__(self, config: ArchConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
+
+    def new_cache(self) -> LayoutCache:
+        return LayoutCache(self.config.cache_layout().with_dtype(self.lm_head.weight.dtype))
+
+    def set_absorb(self, absorb: bool) -> None:
+        """Absorbed (latent) or materialised keys/values in every MLA layer."""
+        for block in self.model.layers:
+            if hasattr(block.self_attn, "absorb"):
+                block.self_attn.absorb = absorb
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: LayoutCache,
+                logits_to_keep: int = 0) -> ArchOutput:
+        """input_ids, position_ids `[B, q]` (absolute positions) -> logits `[B, q or logits_to_keep, V]`."""
+        cache.begin_step(position_ids)
+        x = self.model.embed_tokens(input_ids)
+        for block in self.model.layers:
+            x = block(x, position_ids, cache)
+        x = self.model.norm(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        return ArchOutput(self.lm_head(x))
+
+
+def init_weights(model: ArchLM, seed: int) -> ArchLM:
+    """Seeded normal(0, init_range) weights, unit norms; the caller's RNG state is left alone."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, model.config.init_range)
+    return model
+
+
+def build_arch(name_or_config: str | ArchConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> ArchLM:
+    """A tiny random `ArchLM` by name (`TINY`) or from a config, eval mode, on the CPU."""
+    config = TINY[name_or_config] if isinstance(name_or_config, str) else name_or_config
+    return init_weights(ArchLM(config), seed).to(dtype).eval()

@@ -1,0 +1,67 @@
+"""`retention run --engine NAME`: open the run directories and generate through an external engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from retention.errors import RetentionError
+
+
+def resolve_weights(name: str) -> tuple[str, str, str]:
+    """(folder or hub id for the engine, model_id, revision), as `retention.models.load_model`
+    names them, so that the configuration matches a run of this project's engine."""
+    from retention import models
+
+    ref = models.resolve_model(name)
+    if ref.kind == "random":
+        raise RetentionError(f"{name} is built in code; an external engine loads a model folder or a hub id")
+    if ref.kind == "gguf":
+        gguf = models.smollm2_gguf_path()
+        folder, sha = models._smollm2_cache(gguf)  # the dequantised safetensors folder
+        return str(folder), str(gguf), sha
+    if ref.kind == "hub":
+        return ref.source, ref.source, models._hub_commit(ref.source, None)
+    return ref.source, ref.source, models._folder_revision(Path(ref.source))
+
+
+def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, arm_specs, problems, *,
+                        samples: int, seed: int, sampling: dict, fidelity: bool, grade: bool, out: Path,
+                        progress: bool = True, extra_config=None, shard=None, factory=None) -> list[Path]:
+    """What `retention.cli.run_cmd.execute` does, through the engine `engine_name` (non-evicting
+    arms only). The engine's name and version join the configuration (so its runs never mix with
+    this project's engine's) and `factory` (tests) replaces the registered engine class."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from retention.engines import engine_factory
+    from retention.engines.base import refuse_evicting, run_engine_arms
+    from retention.merge import open_shard_run
+    from retention.models import CacheGeometry
+    from retention.runner import Arm
+
+    refuse_evicting(arm_specs, engine_name)
+    if fidelity:
+        raise RetentionError(f"--fidelity compares with this project's cache and needs --engine hf, not {engine_name}")
+    weights, model_id, revision = resolve_weights(model)
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    geometry = CacheGeometry.from_config(AutoConfig.from_pretrained(weights), dtype)
+    engine = (factory or engine_factory(engine_name))(weights, dtype, device)
+    arms = []
+    for name, config, params, cadence in arm_specs:
+        config = dict(config, model_id=model_id, model_revision=revision, engine=engine.name,
+                      engine_version=engine.version, **(extra_config or {}))
+        arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
+    eos = {i for i in [tokenizer.eos_token_id, *(_generation_eos(weights))] if isinstance(i, int)}
+    run_engine_arms(engine, tokenizer, geometry.kib_per_token, arms, problems, samples=samples, base_seed=seed,
+                    sampling=sampling, eos_ids=eos, grade=grade, shard=shard, progress=progress)
+    return [a.run.path for a in arms]
+
+
+def _generation_eos(weights: str) -> list[int]:
+    """EOS ids of the model's generation_config.json (what this project's engine stops on too)."""
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(weights).eos_token_id
+    except OSError:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos or [])

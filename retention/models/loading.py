@@ -1,0 +1,229 @@
+"""Loading: dtype/device validation, `load_model`, and where each model came from (`LoadedModel`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retention.dtypes import dtype_name, resolve_dtype
+from retention.errors import RetentionError
+from retention.layouts import CacheLayout, layout_from_config
+from retention.models.aliases import TINY_RANDOM_SEED, resolve_model
+from retention.models.tiny import build_tiny_random
+from retention.models.weights_cache import _smollm2_cache, sha256_files, smollm2_gguf_path
+
+_DEVICE_RE = re.compile(r"cpu|mps|cuda(?::(\d+))?")
+
+
+def resolve_device(device: str) -> str:
+    """Validate `cpu | cuda | cuda:N | mps` against this machine; return it normalised (lower case)."""
+    normalised = device.strip().lower()
+    match = _DEVICE_RE.fullmatch(normalised)
+    if match is None:
+        raise RetentionError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps")
+    if normalised.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RetentionError(
+                f"device {device!r} asked for, but CUDA is not available to torch {torch.__version__} here; "
+                "use --device cpu or install a CUDA build of torch"
+            )
+        index = int(match.group(1) or 0)
+        if index >= torch.cuda.device_count():
+            raise RetentionError(
+                f"device {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    elif normalised == "mps" and not torch.backends.mps.is_available():
+        raise RetentionError(f"device {device!r} asked for, but MPS is not available here; use --device cpu")
+    return normalised
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to decode, with where it came from.
+
+    `model` is in eval mode with `attn_implementation="sdpa"`; `name` is the alias or path as
+    given; `model_id` the hub id, GGUF file or resolved folder; `revision` the hub commit when
+    known, else the sha256 of the weights file(s), or `random-seed-<n>` for `tiny-random`.
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    model_id: str
+    revision: str
+    dtype: str
+    device: str
+    geometry: CacheLayout
+    load_seconds: float = field(default=0.0, compare=False)
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-ready provenance for run records (no tensors)."""
+        return {
+            "name": self.name,
+            "model_id": self.model_id,
+            "revision": self.revision,
+            "dtype": self.dtype,
+            "device": self.device,
+            "geometry": self.geometry.as_dict(),
+        }
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The model's cache layout (the same object as `geometry`, its former name)."""
+        return self.geometry
+
+
+def load_model(
+    name: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    revision: str | None = None,
+    *,
+    seed: int = TINY_RANDOM_SEED,
+) -> LoadedModel:
+    """Load `name` (an alias of `ALIASES`, an aliased hub id, or a local folder with config.json).
+
+    `dtype` is `float32 | bfloat16 | float16`; `device` is `cpu | cuda | cuda:N | mps` and must be
+    available. `revision` (a hub branch, tag or commit) applies to hub models only. `seed` selects
+    the weights of `tiny-random` and is ignored otherwise. Every failure a user can cause or fix
+    ends in a one-line `RetentionError`.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
+    ref = resolve_model(name)
+    if revision is not None and ref.kind != "hub":
+        raise RetentionError(f"a revision applies to hub models only, not to {name!r}")
+
+    # transformers draws a per-tensor "Loading weights" bar; the run's own progress bar is enough.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    start = time.perf_counter()
+    if ref.kind == "random":
+        model, tokenizer = build_tiny_random(seed)
+        model = model.to(device=device, dtype=torch_dtype)
+        model_id, resolved_revision = "tiny-random", f"random-seed-{seed}"
+    elif ref.kind == "gguf":
+        gguf = smollm2_gguf_path()
+        folder, sha = _smollm2_cache(gguf)
+        model, tokenizer = _load_pretrained(str(folder), torch_dtype, device, local_files_only=True)
+        model_id, resolved_revision = str(gguf), sha
+    elif ref.kind == "hub":
+        model, tokenizer = _load_from_hub(ref.source, torch_dtype, device, revision)
+        model_id, resolved_revision = ref.source, _hub_commit(ref.source, revision)
+    else:
+        model, tokenizer = _load_pretrained(ref.source, torch_dtype, device, local_files_only=True)
+        model_id, resolved_revision = ref.source, _folder_revision(Path(ref.source))
+
+    model.eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=ref.name,
+        model_id=model_id,
+        revision=resolved_revision,
+        dtype=dtype_name(torch_dtype),
+        device=device,
+        geometry=layout_from_config(model.config, torch_dtype),
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def _load_pretrained(
+    path_or_id: str,
+    torch_dtype: torch.dtype,
+    device: str,
+    *,
+    revision: str | None = None,
+    local_files_only: bool = False,
+) -> tuple[Any, Any]:
+    """`AutoTokenizer` + `AutoModelForCausalLM.from_pretrained` with SDPA attention, onto `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path_or_id, revision=revision, local_files_only=local_files_only)
+    # Off-CPU, `device_map` places weights straight on the device instead of staging them in RAM.
+    placement = {} if device == "cpu" else {"device_map": device}
+    model = AutoModelForCausalLM.from_pretrained(
+        path_or_id,
+        dtype=torch_dtype,
+        revision=revision,
+        local_files_only=local_files_only,
+        attn_implementation="sdpa",
+        **placement,
+    )
+    return model, tokenizer
+
+
+def _load_from_hub(hub_id: str, torch_dtype: torch.dtype, device: str, revision: str | None) -> tuple[Any, Any]:
+    """The hub cache first (no network at all), then the hub; one clear line when neither has it."""
+    try:
+        return _load_pretrained(hub_id, torch_dtype, device, revision=revision, local_files_only=True)
+    except OSError:
+        pass  # not (fully) cached: try the hub itself
+    try:
+        return _load_pretrained(hub_id, torch_dtype, device, revision=revision)
+    except OSError as exc:
+        at = f" at revision {revision!r}" if revision else ""
+        raise RetentionError(
+            f"cannot load {hub_id}{at}: it is not in the hub cache and the hub is unreachable or refused it; "
+            f"download it first (e.g. `hf download {hub_id}`) or pass a local folder as --model"
+        ) from exc
+
+
+_SNAPSHOT_RE = re.compile(r"[/\\]snapshots[/\\]([0-9a-f]{40})(?:[/\\]|$)")
+
+
+def _hub_commit(hub_id: str, revision: str | None) -> str:
+    """The commit a hub load used, read from the snapshot folder the cache resolved it to."""
+    if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
+        return revision
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(hub_id, "config.json", revision=revision)
+    if isinstance(cached, str):
+        match = _SNAPSHOT_RE.search(cached)
+        if match:
+            return match.group(1)
+    return revision or "unknown"
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _folder_revision(folder: Path) -> str:
+    """A hub snapshot's commit if the folder is one, else the sha256 of its weight file(s).
+
+    Hashing reads every weight file once (seconds per GB); the load reads them again from the page cache.
+    """
+    match = _SNAPSHOT_RE.search(str(folder) + os.sep)
+    if match:
+        return match.group(1)
+    weights = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    if not weights:
+        return "unknown"
+    return sha256_files(weights)
+
+
+def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayout:
+    """The cache layout of model `name` without loading its weights: from the folder's config.json,
+    the documented layout of an aliased model, or the config of `tiny-random`."""
+    import json
+
+    from retention.layouts import DOCUMENTED
+
+    ref = resolve_model(name)
+    if ref.kind == "local":
+        try:
+            config = json.loads((Path(ref.source) / "config.json").read_text())
+        except ValueError as exc:
+            raise RetentionError(f"{name}: config.json is not valid JSON ({exc})") from None
+        return layout_from_config(config, dtype)
+    if ref.kind == "random":
+        return layout_from_config(build_tiny_random()[0].config, dtype)
+    return DOCUMENTED[ref.name].with_dtype(dtype)
