@@ -108,25 +108,12 @@ def _jsonl_lines(path: Path) -> list[tuple[bytes, dict]]:
     return out
 
 
-def _run_dirs(paths) -> list[Path]:
-    """Each path is a run directory (has config.json) or a folder searched for run directories."""
-    found = []
-    for p in map(Path, paths):
-        if (p / "config.json").is_file():
-            found.append(p)
-        elif p.is_dir():
-            below = sorted(q.parent for q in p.rglob("config.json"))
-            if not below:
-                raise RetentionError(f"{p}: no run directory (config.json) in it")
-            found += below
-        else:
-            raise RetentionError(f"{p}: no such directory")
-    return list(dict.fromkeys(q.resolve() for q in found))
-
-
 def find_parts(paths) -> list[Part]:
+    """The shards in `paths`: run directories, or folders searched for run directories."""
+    from protocol.report import find_run_dirs
+
     parts = []
-    for d in _run_dirs(paths):
+    for d in find_run_dirs(paths):
         shard_files = layout.shard_record_files(d)
         if not shard_files:
             what = "an unsharded or merged run (records.jsonl)" if (d / layout.RECORDS).is_file() else "no records"

@@ -100,6 +100,9 @@ def test_engine_records_equal_this_projects_engine(tiny_folder, tmp_path, monkey
     # the agreement of an engine with itself: every pair identical
     res = _cli("agree", hf, ext)
     assert res.exit_code == 0 and "hf vs replay: 4/4 identical" in res.output, res.output
+    # the report tells the engines apart: another engine's run is another arm
+    rep = _cli("report", hf, ext, "--baseline", hf, "--out", tmp_path / "rep", "--boot", 200)
+    assert rep.exit_code == 0 and "full@replay vs full" in rep.output, rep.output
 
 
 @pytest.mark.parametrize("extra,needle", [
