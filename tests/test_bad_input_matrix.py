@@ -48,6 +48,7 @@ BASE = {
     ("confirm",): ["--plan", "in/plan.json", "--out", "out/confirm", "--code-version", "0.1.0+gtest",
                    "--runner", "tests.protocol.test_prereg:cli_runner"],
     ("report",): ["in/runs", "--boot", "50", "--out", "out/report"],
+    ("audit",): ["mha"],
 }
 
 # Known-bad values of free-form string options, per (command, option) or option.
@@ -72,6 +73,7 @@ STRING_BAD = {
     "--override": ["novalue", "split=dev"],
     "--runner": ["nomodule", "no.such.module:f", "os:nosuchattr"],
     ("bench", "--accounting"): ["nope", ","],
+    ("audit", "targets"): ["no-such-layout"],
     ("stats", "--treatment"): ["nocolumn"],
     ("stats", "--baseline"): ["nocolumn"],
     ("stats", "--cluster"): ["nocolumn"],

@@ -47,8 +47,8 @@ def audit_record(layout, context: int, batch: int) -> dict:
 @click.argument("targets", nargs=-1)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True,
               help="Element type of the cache.")
-@click.option("--context", type=click.IntRange(min=1), default=131_072, show_default=True, help="Cached tokens per sequence.")
-@click.option("--batch", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences.")
+@click.option("--context", type=click.IntRange(min=1, max=1 << 40), default=131_072, show_default=True, help="Cached tokens per sequence.")
+@click.option("--batch", type=click.IntRange(min=1, max=1 << 30), default=8, show_default=True, help="Sequences.")
 @click.option("--per-layer", is_flag=True, help="Also print the elements each layer writes and the sharing groups.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON list of records instead of a table.")
 def audit_command(targets, dtype, context, batch, per_layer, as_json):

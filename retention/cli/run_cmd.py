@@ -197,7 +197,7 @@ def _layout_budget(model: str, dtype: str, names: list[str], budget: int | None,
         return budget
     if budget is not None:
         raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
-    if budget_kib <= 0:
+    if not (0 < budget_kib < float("inf")):
         raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
     return tokens_for_bytes(layout, budget_kib * 1024)
 
