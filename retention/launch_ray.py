@@ -154,11 +154,10 @@ def _explain(ray, exc: Exception, shard: Shard) -> str:
     return f"shard {shard} failed: {type(cause or exc).__name__}: {first[-1] if first else ''}"
 
 
-def launch_from_cli(job: dict, *, address: str | None, shards: int | None, gpus_per_shard: float | None,
-                    cpus_per_shard: float, retries: int, shard: Shard | None, progress: bool) -> list[Path]:
-    """`retention run --ray [ADDRESS] --shards N ...`: check the options, count the pairs, launch."""
-    from protocol.splits import load_split
-
+def ray_options(job: dict, *, address: str | None, shards: int | None, gpus_per_shard: float | None,
+                cpus_per_shard: float, retries: int, shard: Shard | None) -> RayOptions:
+    """The launcher options of `retention run --ray [ADDRESS] --shards N ...`, checked (before any
+    model or data is touched)."""
     if shard is not None:
         raise RetentionError("--shard and --ray exclude each other: the launcher assigns the shards")
     if address is None:
@@ -171,8 +170,14 @@ def launch_from_cli(job: dict, *, address: str | None, shards: int | None, gpus_
         gpus_per_shard = 1.0 if str(job["device"]).startswith("cuda") else 0.0
     if gpus_per_shard > 0 and str(job["device"]) not in ("cuda", "cuda:0"):
         raise RetentionError("with --gpus-per-shard, pass --device cuda: each shard sees only its own GPUs")
-    opts = RayOptions(address, shards, gpus_per_shard, cpus_per_shard, retries)
-    n_problems = len(load_split(job["split"], data_path=job["data_path"]))
+    return RayOptions(address, shards, gpus_per_shard, cpus_per_shard, retries)
+
+
+def launch_from_cli(job: dict, opts: RayOptions, *, progress: bool) -> list[Path]:
+    """`retention run --ray`: count the pairs, launch the shards, merge them."""
+    from protocol.splits import load_split
+
+    n_problems = len(load_split(job["split"], data_path=job["data_path"], splits_dir=job.get("splits_dir")))
     if job.get("limit"):
         n_problems = min(n_problems, int(job["limit"]))
     return launch(job, opts, n_pairs=n_problems * int(job["samples"]), progress=progress)

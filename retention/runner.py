@@ -268,34 +268,44 @@ def auto_batch_size(loaded, cadence, max_new_tokens: int, prompt_tokens: int = 5
     return 16 if cadence.evicts else 4
 
 
-def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, batch_size: int) -> dict:
-    text = tok.decode(g.token_ids, skip_special_tokens=True)
+def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, prompt_tokens: int,
+                token_ids: list[int], text: str, finish_reason: str, meter, cadence, wall_seconds: float,
+                batch_size: int, gold, grader=None, fidelity=None) -> dict:
+    """One record of the schema in docs/records.md; every engine writes its records through this."""
     record = {
-        "config_hash": arm.run.hash,
-        "problem_id": p.unique_id,
-        "sample": s,
+        "config_hash": config_hash,
+        "problem_id": problem_id,
+        "sample": sample,
         "seed": seed,
-        "prompt_tokens": len(prompt),
-        "output_token_ids": g.token_ids,
-        "output_tokens": len(g.token_ids),
+        "prompt_tokens": prompt_tokens,
+        "output_token_ids": list(token_ids),
+        "output_tokens": len(token_ids),
         "text": text,
-        "finish_reason": g.finish_reason,
-        **g.meter.summary(),
-        "budget": arm.cadence.budget,
-        "accounting": arm.cadence.accounting,
-        "wall_seconds": g.wall_seconds,
-        "tokens_per_second": len(g.token_ids) / g.wall_seconds if g.wall_seconds > 0 else 0.0,
+        "finish_reason": finish_reason,
+        **meter.summary(),
+        "budget": cadence.budget,
+        "accounting": cadence.accounting,
+        "wall_seconds": wall_seconds,
+        "tokens_per_second": len(token_ids) / wall_seconds if wall_seconds > 0 else 0.0,
         "batch_size": batch_size,
-        "gold": getattr(p, "answer", None),
+        "gold": gold,
     }
-    if g.fidelity is not None:
-        record["fidelity"] = g.fidelity.summary()
-    if grader is not None and record["gold"] is not None:
-        gr = grader(text, record["gold"])
+    if fidelity is not None:
+        record["fidelity"] = fidelity.summary()
+    if grader is not None and gold is not None:
+        gr = grader(text, gold)
         record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
     else:
         record.update(extracted=None, verdict=None, reason=None, rule=None)
     return record
+
+
+def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, batch_size: int) -> dict:
+    return make_record(config_hash=arm.run.hash, problem_id=p.unique_id, sample=s, seed=seed,
+                       prompt_tokens=len(prompt), token_ids=g.token_ids,
+                       text=tok.decode(g.token_ids, skip_special_tokens=True), finish_reason=g.finish_reason,
+                       meter=g.meter, cadence=arm.cadence, wall_seconds=g.wall_seconds, batch_size=batch_size,
+                       gold=getattr(p, "answer", None), grader=grader, fidelity=g.fidelity)
 
 
 def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,

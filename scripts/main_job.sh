@@ -28,7 +28,7 @@ common=(--model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --max-new-tokens "
   --batch-size "$BATCH" --out "$OUT/runs")
 # The two retention arms, paired (same problems, same seeds), each also decoded with the full cache
 # along its own tokens for the fidelity proxy.
-"$RETENTION" run "${common[@]}" --scorer alpha --baseline triattention --lambda 0.5 --budget "$BUDGET" \
+"$RETENTION" run "${common[@]}" --scorer alpha --baseline triattention --param alpha.lam=0.5 --budget "$BUDGET" \
   --stats "$stats" --fidelity
 # The reference row: no eviction (its fidelity is exact by construction, so it is not recomputed).
 "$RETENTION" run "${common[@]}" --scorer full

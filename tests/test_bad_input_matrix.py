@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import click
@@ -49,6 +50,9 @@ BASE = {
                    "--runner", "tests.protocol.test_prereg:cli_runner"],
     ("report",): ["in/runs", "--boot", "50", "--out", "out/report"],
     ("audit",): ["mha"],
+    ("agree",): ["in/run_a", "in/run_b"],
+    ("conformance",): [],
+    ("merge",): ["in/runs", "--out", "out/merged"],
 }
 
 # Known-bad values of free-form string options, per (command, option) or option.
@@ -73,6 +77,11 @@ STRING_BAD = {
     "--override": ["novalue", "split=dev"],
     "--runner": ["nomodule", "no.such.module:f", "os:nosuchattr"],
     ("bench", "--accounting"): ["nope", ","],
+    "--param": ["novalue", "streaming.nope=1", "alpha.lam=0.5", ".=1"],
+    ("run", "--ray"): ["", "local"],  # empty address; a cluster without --shards
+    "--shard": ["x", "2/2", "0/0", "-1/3", "1/2/3"],
+    ("bench", "--batch-sizes"): ["x", "0", "-2", ","],
+    ("bench", "--context"): ["x", "0", "1.5"],
     ("audit", "targets"): ["no-such-layout"],
     ("stats", "--treatment"): ["nocolumn"],
     ("stats", "--baseline"): ["nocolumn"],
@@ -191,7 +200,9 @@ def inputs(tmp_path_factory):
     (inp / "not-a-plan.json").write_text('{"plan": 1}\n')
     (inp / "records.jsonl").write_text(json.dumps({"pred": "\\boxed{2}", "gold": "2"}) + "\n")
     (inp / "outcomes.csv").write_text("c,t,b\n" + "".join(f"p{i},{i % 2},{(i // 2) % 2}\n" for i in range(20)))
-    make_run(inp / "runs", scorer="alpha", n=10, k=1)
+    alpha = make_run(inp / "runs", scorer="alpha", n=10, k=1)
+    shutil.copytree(alpha, inp / "run_a")
+    shutil.copytree(alpha, inp / "run_b")
     make_run(inp / "runs", scorer="triattention", n=10, k=1, shift=0.1, seed=1)
     from protocol.splits import manifest_sha256
     from tests.protocol.test_prereg import new_plan

@@ -45,7 +45,7 @@ def test_run_lambda_and_temperature_must_be_finite(tmp_path, value):
 def test_lambda_on_scorers_that_ignore_it_is_refused(tmp_path):
     res = cli("run", "--model", "tiny-random", "--scorer", "streaming,random", "--budget", "64",
               "--lambda", "0.5", "--out", tmp_path / "o")
-    assert_one_error(res, "--lambda applies to none of the scorers")
+    assert_one_error(res, "--lambda is not a parameter of any listed scorer")
 
 
 def test_run_without_limit_on_cpu_says_how_much_it_will_generate(tmp_path, monkeypatch):

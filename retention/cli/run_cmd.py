@@ -14,6 +14,19 @@ from retention.cli.options import splits_dir_option
 from retention.errors import RetentionError
 
 
+def _bounded(name, lo, hi, lo_open=False):
+    """A callback refusing values outside [lo, hi] (or (lo, hi]) and non-finite floats (click's
+    FloatRange lets nan through: every comparison with it is false)."""
+    def check(ctx, param, value):
+        if value is None:
+            return value
+        if not math.isfinite(value) or (value <= lo if lo_open else value < lo) or value > hi:
+            raise click.BadParameter(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param_hint=name)
+        return value
+
+    return check
+
+
 def _positive(name):
     def check(ctx, param, value):
         if value is not None and value <= 0:
@@ -114,7 +127,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
-@click.option("--batch-size", type=int, default=None, callback=_positive("--batch-size"),
+@click.option("--batch-size", type=int, default=None, callback=_bounded("--batch-size", 1, 65536),
               help="Sequences decoded together (continuous batching). Default: chosen for the device and budget, printed.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
@@ -124,11 +137,12 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
               help="Run --shards N shards as Ray tasks and merge them: alone, a private local cluster; "
                    "with ADDRESS (auto, ray://head:10001) an existing cluster. Needs `pip install 'retention[ray]'`.")
 @click.option("--shards", type=int, default=None, help="With --ray: number of shards (e.g. one per GPU).")
-@click.option("--gpus-per-shard", type=float, default=None,
+@click.option("--gpus-per-shard", type=float, default=None, callback=_bounded("--gpus-per-shard", 0, 1024),
               help="With --ray: GPUs per shard [default: 1 with --device cuda, else 0 (CPU workers)].")
-@click.option("--cpus-per-shard", type=float, default=1.0, show_default=True, help="With --ray: CPUs per shard.")
-@click.option("--retries", type=int, default=3, show_default=True,
-              help="With --ray: times a shard whose worker died is restarted (it resumes from its records).")
+@click.option("--cpus-per-shard", type=float, default=None, callback=_bounded("--cpus-per-shard", 0, 1024, lo_open=True),
+              help="With --ray: CPUs per shard [default: 1].")
+@click.option("--retries", type=int, default=None, callback=_bounded("--retries", 0, 100),
+              help="With --ray: times a shard whose worker died is restarted (it resumes from its records) [default: 3].")
 @click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
               help="hf: this project's engine (every scorer); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
@@ -167,16 +181,27 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options[name].items()
                                                                      if v is not None}))
                  for name in names]
-    check_writable_dir(Path(out), "--out")
-    _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device)
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
                out=Path(out), batch_size=batch_size, splits_dir=splits_dir, engine=engine)
+    ray_opts = None
+    given = [f for f, v in (("--gpus-per-shard", gpus_per_shard), ("--cpus-per-shard", cpus_per_shard),
+                            ("--retries", retries)) if v is not None]
+    if given and ray_address is None:
+        raise RetentionError(f"{', '.join(given)} only apply with --ray (they would be ignored)")
+    cpus_per_shard = 1.0 if cpus_per_shard is None else cpus_per_shard
+    retries = 3 if retries is None else retries
     if ray_address is not None or shards is not None:
+        from retention.launch_ray import ray_options
+
+        ray_opts = ray_options(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
+                               cpus_per_shard=cpus_per_shard, retries=retries, shard=shard)
+    check_writable_dir(Path(out), "--out")
+    _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device)
+    if ray_opts is not None:
         from retention.launch_ray import launch_from_cli
 
-        run_dirs = launch_from_cli(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
-                                   cpus_per_shard=cpus_per_shard, retries=retries, shard=shard, progress=not quiet)
+        run_dirs = launch_from_cli(job, ray_opts, progress=not quiet)
         shard = None  # merged
     else:
         run_dirs = execute(**job, progress=not quiet, shard=shard)

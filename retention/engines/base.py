@@ -56,31 +56,15 @@ def full_cache_meter(prompt_tokens: int, output_tokens: int, kib_per_token: floa
 
 
 def build_record(c: Completion, *, config_hash: str, text: str, gold, cadence, kib_per_token: float,
-                 grader=None) -> tuple[dict, tuple[list[int], list[float]]]:
-    """The record of one completion (schema of `retention.runner.run_arms`) and its cache trace."""
+                 batch_size: int, grader=None) -> tuple[dict, tuple[list[int], list[float]]]:
+    """The record of one completion (`retention.runner.make_record`) and its cache trace."""
+    from retention.runner import make_record
+
     meter = full_cache_meter(len(c.request.prompt_ids), len(c.token_ids), kib_per_token)
-    record = {
-        "config_hash": config_hash,
-        "problem_id": c.request.problem_id,
-        "sample": c.request.sample,
-        "seed": c.request.seed,
-        "prompt_tokens": len(c.request.prompt_ids),
-        "output_token_ids": list(c.token_ids),
-        "output_tokens": len(c.token_ids),
-        "text": text,
-        "finish_reason": c.finish_reason,
-        **meter.summary(),
-        "budget": cadence.budget,
-        "accounting": cadence.accounting,
-        "wall_seconds": c.wall_seconds,
-        "tokens_per_second": len(c.token_ids) / c.wall_seconds if c.wall_seconds > 0 else 0.0,
-        "gold": gold,
-    }
-    if grader is not None and gold is not None:
-        g = grader(text, gold)
-        record.update(extracted=g.extracted, verdict=g.verdict, reason=g.reason, rule=g.rule)
-    else:
-        record.update(extracted=None, verdict=None, reason=None, rule=None)
+    record = make_record(config_hash=config_hash, problem_id=c.request.problem_id, sample=c.request.sample,
+                         seed=c.request.seed, prompt_tokens=len(c.request.prompt_ids), token_ids=c.token_ids,
+                         text=text, finish_reason=c.finish_reason, meter=meter, cadence=cadence,
+                         wall_seconds=c.wall_seconds, batch_size=batch_size, gold=gold, grader=grader)
     return record, meter.trace()
 
 
@@ -129,7 +113,8 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
                 text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 record, (steps, tokens) = build_record(c, config_hash=arm.run.hash, text=text,
                                                        gold=gold[c.request.problem_id], cadence=arm.cadence,
-                                                       kib_per_token=kib_per_token, grader=grader)
+                                                       kib_per_token=kib_per_token, batch_size=batch,
+                                                       grader=grader)
                 arm.run.append_trace(c.request.problem_id, c.request.sample, steps, tokens)
                 arm.run.records.append(record)
                 bar.update(1)

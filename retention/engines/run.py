@@ -10,18 +10,9 @@ from retention.errors import RetentionError
 def resolve_weights(name: str) -> tuple[str, str, str]:
     """(folder or hub id for the engine, model_id, revision), as `retention.models.load_model`
     names them, so that the configuration matches a run of this project's engine."""
-    from retention import models
+    from retention.models.loading import weights_reference
 
-    ref = models.resolve_model(name)
-    if ref.kind == "random":
-        raise RetentionError(f"{name} is built in code; an external engine loads a model folder or a hub id")
-    if ref.kind == "gguf":
-        gguf = models.smollm2_gguf_path()
-        folder, sha = models._smollm2_cache(gguf)  # the dequantised safetensors folder
-        return str(folder), str(gguf), sha
-    if ref.kind == "hub":
-        return ref.source, ref.source, models._hub_commit(ref.source, None)
-    return ref.source, ref.source, models._folder_revision(Path(ref.source))
+    return weights_reference(name)
 
 
 def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, arm_specs, problems, *,

@@ -210,6 +210,21 @@ def _folder_revision(folder: Path) -> str:
     return sha256_files(weights)
 
 
+def weights_reference(name: str) -> tuple[str, str, str]:
+    """(folder or hub id an external engine loads, model_id, revision) of model `name`, named as
+    `load_model` names them, so that another engine's run configuration matches this one's."""
+    ref = resolve_model(name)
+    if ref.kind == "random":
+        raise RetentionError(f"{name} is built in code; an external engine loads a model folder or a hub id")
+    if ref.kind == "gguf":
+        gguf = smollm2_gguf_path()
+        folder, sha = _smollm2_cache(gguf)  # the dequantised safetensors folder
+        return str(folder), str(gguf), sha
+    if ref.kind == "hub":
+        return ref.source, ref.source, _hub_commit(ref.source, None)
+    return ref.source, ref.source, _folder_revision(Path(ref.source))
+
+
 def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayout:
     """The cache layout of model `name` without loading its weights: from the folder's config.json,
     the documented layout of an aliased model, or the config of `tiny-random`."""

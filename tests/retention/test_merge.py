@@ -168,13 +168,21 @@ def test_refuses_existing_output_and_unsharded_input(runs, tmp_path):
     _refused([runs / "full"], tmp_path / "m2", "not shards")
 
 
-def test_confirm_in_shards_equals_unsharded_confirm(tmp_path):
+def test_confirm_in_shards_equals_unsharded_confirm(tmp_path, monkeypatch):
     arm = {"interval": 8, "temperature": 0.7, "limit": 2}
-    _ok("preregister", "--out", tmp_path / "plans", "--model", "tiny-random", "--budget", 40,
-        "--treatment", json.dumps(dict(arm, scorer="streaming")), "--baseline", json.dumps(dict(arm, scorer="random")),
-        "-k", 2, "--max-new-tokens", 8, "--boot", 500, "--boot-max", 500)
-    (plan,) = (tmp_path / "plans").glob("plan-*.json")
+
+    def register(name):
+        # A cell is confirmed once per registry: the two confirmations compared here each get one.
+        monkeypatch.setenv("RETENTION_STATE_DIR", str(tmp_path / f"state-{name}"))
+        _ok("preregister", "--out", tmp_path / f"plans-{name}", "--model", "tiny-random", "--budget", 40,
+            "--treatment", json.dumps(dict(arm, scorer="streaming")), "--baseline", json.dumps(dict(arm, scorer="random")),
+            "-k", 2, "--max-new-tokens", 8, "--boot", 500, "--boot-max", 500)
+        (plan,) = (tmp_path / f"plans-{name}").glob("plan-*.json")
+        return plan
+
+    plan = register("whole")
     _ok("confirm", "--plan", plan, "--out", tmp_path / "whole")
+    plan = register("sharded")
     sharded = tmp_path / "sharded"
     _ok("confirm", "--plan", plan, "--out", sharded, "--shard", "1/2")
     assert not (sharded / "ledger.jsonl").exists()  # a shard is not a result

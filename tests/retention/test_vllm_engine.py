@@ -18,7 +18,7 @@ from retention.cli import main
 from retention.engines.agreement import first_divergence
 from retention.engines.base import Completion
 
-VOLATILE = {"wall_seconds", "tokens_per_second", "config_hash"}
+VOLATILE = {"wall_seconds", "tokens_per_second", "config_hash", "batch_size"}
 ARGS = ["run", "--quiet", "--scorer", "full", "--limit", "3", "--samples", "2", "--max-new-tokens", "10"]
 
 
