@@ -77,7 +77,8 @@ class Run:
         """Scorer and parameters: what makes two runs the same arm in different cells."""
         params = self.config.get("scorer_params") or {}
         engine = self.config.get("engine")  # a run of another engine (run --engine) is another arm
-        return self.scorer + json.dumps(params, sort_keys=True) + (f"@{engine}" if engine else "")
+        prompt = "+protect-prompt" if self.config.get("protect_prompt") else ""  # the reference's prompt rule
+        return self.scorer + json.dumps(params, sort_keys=True) + prompt + (f"@{engine}" if engine else "")
 
     @property
     def plan_hash(self) -> str | None:
@@ -257,6 +258,8 @@ def assign_labels(runs: list[Run]) -> None:
                          if len({json.dumps(p.get(k), sort_keys=True) for p in siblings}) > 1)
         extra = ",".join(f"{k}={params.get(k)}" for k in varying)
         run.label = f"{run.scorer}[{extra}]" if extra else run.scorer
+        if run.config.get("protect_prompt"):  # the report says which prompt rule ran
+            run.label += "+pp"
         if run.config.get("engine"):
             run.label += f"@{run.config['engine']}"
     seen: dict = {}

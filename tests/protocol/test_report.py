@@ -210,6 +210,15 @@ def test_labels_tell_parameter_variants_apart(tmp_path):
     assert sorted(r["treatment"] for r in rep.comparisons) == ["alpha[lambda=0.5]", "alpha[lambda=1.0]"]
 
 
+def test_the_prompt_rule_is_its_own_arm_and_shown(tmp_path):
+    """A run with --protect-prompt (the reference implementations' prompt rule) is not pooled with
+    the same scorer under this project's rule, and its label says which rule ran."""
+    make_run(tmp_path, scorer="triattention", n=8)
+    make_run(tmp_path, scorer="triattention", n=8, seed=2, extra={"protect_prompt": True})
+    rep = report.build_report([tmp_path], boot=200)
+    assert sorted(a["label"] for a in rep.arms) == ["triattention", "triattention+pp"]
+
+
 # --------------------------------------------------------------------------------------------------
 # outputs
 
