@@ -277,7 +277,8 @@ def _budget_key(b):
 
 def _match_baseline(runs: list[Run], baseline: str | None) -> Run:
     if baseline is None:
-        for run in runs:
+        plain = [run for run in runs if getattr(run, "label", None) == BASELINE_SCORER]
+        for run in plain + runs:
             if run.scorer == BASELINE_SCORER:
                 return run
         return runs[0]
@@ -286,10 +287,13 @@ def _match_baseline(runs: list[Run], baseline: str | None) -> Run:
         same_dir = target.exists() and run.path.resolve() == target.resolve()
         if baseline in (run.run_id, run.path.name) or same_dir:
             return run
-    for run in runs:
-        if run.scorer == baseline:
-            return run
-    raise ProtocolError(f"--baseline {baseline!r} matches no run id, run directory or scorer")
+    # A label (e.g. `triattention+pp`) names one variant; a bare scorer name prefers the run whose
+    # label is just that name (the default rule and parameters) over its variants.
+    named = [run for run in runs if getattr(run, "label", None) == baseline]
+    named = named or [run for run in runs if run.scorer == baseline]
+    if named:
+        return named[0]
+    raise ProtocolError(f"--baseline {baseline!r} matches no run id, run directory, label or scorer")
 
 
 def plan_comparisons(runs: list[Run], baseline: str | None = None) -> tuple[list, list]:

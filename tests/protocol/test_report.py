@@ -217,6 +217,9 @@ def test_the_prompt_rule_is_its_own_arm_and_shown(tmp_path):
     make_run(tmp_path, scorer="triattention", n=8, seed=2, extra={"protect_prompt": True})
     rep = report.build_report([tmp_path], boot=200)
     assert sorted(a["label"] for a in rep.arms) == ["triattention", "triattention+pp"]
+    for baseline in (None, "triattention"):  # a bare name means this project's rule, not the variant
+        rep = report.build_report([tmp_path], boot=200, baseline=baseline)
+        assert [(c["treatment"], c["baseline"]) for c in rep.comparisons] == [("triattention+pp", "triattention")]
 
 
 # --------------------------------------------------------------------------------------------------
