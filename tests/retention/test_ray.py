@@ -73,13 +73,15 @@ def _kill_when_halfway(out, stop, killed):
 
 @pytest.mark.slow
 def test_killed_worker_is_retried_without_loss_or_duplicates(cluster, tmp_path):
-    tokens = 96  # a fraction of a second per record: the kill lands between shard 1's two records
+    # A fraction of a second per record, one sequence at a time (a batch would finish shard 1's two
+    # records in the same step): the kill lands between shard 1's two records.
+    tokens = 96
     out = tmp_path / "ray"
     stop, killed = threading.Event(), []
     killer = threading.Thread(target=_kill_when_halfway, args=(out, stop, killed), daemon=True)
     killer.start()
     try:
-        _run("--max-new-tokens", tokens, "--out", out, "--ray", "--shards", 3, "--retries", 2)
+        _run("--max-new-tokens", tokens, "--out", out, "--ray", "--shards", 3, "--retries", 2, "--batch-size", 1)
     finally:
         stop.set()
         killer.join(5)
@@ -87,7 +89,7 @@ def test_killed_worker_is_retried_without_loss_or_duplicates(cluster, tmp_path):
     run_dir = _only_run(out)
     side = json.loads((run_dir / "shards" / "shard-1-of-3.json").read_text())
     assert side["pid"] != killed[0], "shard 1 was not restarted in a new worker"
-    _run("--max-new-tokens", tokens, "--out", tmp_path / "full")
+    _run("--max-new-tokens", tokens, "--out", tmp_path / "full", "--batch-size", 1)
     got = _stable(run_dir)
     assert len({(r["problem_id"], r["sample"]) for r in got}) == len(got) == 6
     assert got == _stable(_only_run(tmp_path / "full"))
