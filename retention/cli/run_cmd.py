@@ -361,7 +361,9 @@ def validate_arm(cfg: dict):
     params = cfg.get("scorer_params") or {}
     if not isinstance(params, dict):
         raise RetentionError(f"scorer_params must be an object, got {params!r}")
-    fields = _scorer_fields(cfg["scorer"])
+    from retention.cli.scorer_options import scorer_fields
+
+    fields = set(scorer_fields(cfg["scorer"]))
     unknown = sorted(set(params) - fields)
     if unknown:
         raise RetentionError(f"scorer {cfg['scorer']!r} has no parameter(s) {unknown}; it takes "
@@ -394,13 +396,6 @@ def _check_stats_file(path: Path) -> None:
         raise
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise RetentionError(f"{path} is not a retention statistics file (safetensors: {exc})") from None
-
-
-def _scorer_fields(name: str) -> set[str]:
-    from retention.scorers import get_scorer_class
-
-    return {f.name for f in dataclasses.fields(get_scorer_class(name))} - {"seed"} - {
-        f.name for f in dataclasses.fields(get_scorer_class(name)) if f.name.startswith("_")}
 
 
 def _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device) -> None:
