@@ -213,12 +213,6 @@ def _hold_lock(run_dir: Path, name: str = ".lock"):
     return fh
 
 
-def pending(arms: list["Arm"], problems, samples: int):
-    """Every missing (problem, sample, arm), lazily: nothing is allocated per sample."""
-    return ((p, s, a) for p in problems for s in range(samples) for a in arms
-            if not a.run.records.has(p.unique_id, s))
-
-
 def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tuple[int, int]:
     """(total, missing) generations of all pairs or of one shard's; counted without materialising
     the pairs (each arm's store holds only its own shard's records)."""
@@ -322,6 +316,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     """
     from tqdm import tqdm
 
+    from retention.arch.generate import run_arch
+    from retention.arch.model import is_arch_model
     from retention.engine import Request, SamplingConfig, run_engine
     from retention.models import format_prompt
     from retention.policy import RetentionPolicy
@@ -352,7 +348,6 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
             for p, s in todo:
                 prompt = prompts.setdefault(p.unique_id, format_prompt(tok, p.problem))
                 reqs.append(Request((p, s), prompt, derive_seed(base_seed, p.unique_id, s)))
-            policy = RetentionPolicy(make_scorer(arm.scorer, **arm.scorer_params), arm.cadence)
 
             def on_finish(req, g, _arm=arm):
                 p, s = req.key
@@ -368,6 +363,11 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                                         refresh=False)
                     bar.refresh()
 
+            if is_arch_model(loaded.model):  # a reference layout model: its own cache, one sequence at a time
+                run_arch(loaded.model, reqs, arm.scorer, arm.scorer_params, arm.cadence, cfg, eos, kib,
+                         fidelity=fidelity, on_finish=on_finish)
+                continue
+            policy = RetentionPolicy(make_scorer(arm.scorer, **arm.scorer_params), arm.cadence)
             run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,
                        on_finish=on_finish, on_step=on_step if progress else None)
     bar.close()
@@ -375,7 +375,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
 
 def _eos_ids(loaded) -> set[int]:
     ids = set()
-    for src in (loaded.tokenizer.eos_token_id, getattr(loaded.model.generation_config, "eos_token_id", None)):
+    generation_config = getattr(loaded.model, "generation_config", None)  # a reference layout model has none
+    for src in (loaded.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
         if isinstance(src, int):
             ids.add(src)
         elif src:

@@ -81,6 +81,11 @@ class ArchLM(nn.Module):
         return ArchOutput(self.lm_head(x))
 
 
+def is_arch_model(model) -> bool:
+    """Whether `model` is a reference layout model (decoded by `retention.arch.generate`)."""
+    return isinstance(model, ArchLM)
+
+
 def init_weights(model: ArchLM, seed: int) -> ArchLM:
     """Seeded normal(0, init_range) weights, unit norms; the caller's RNG state is left alone."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():

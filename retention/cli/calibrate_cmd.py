@@ -52,7 +52,9 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     from protocol.io import check_writable, ensure_dir, read_text
     from retention.models import resolve_device
 
-    resolve_model(model)  # a bad --model or --device fails before the text is read
+    if resolve_model(model).kind == "arch":  # a bad --model or --device fails before the text is read
+        raise RetentionError(f"{model} is a reference layout model: triattention and alpha, the scorers these "
+                             "statistics serve, are not defined on its cache, so there is nothing to calibrate")
     resolve_device(device)
     target = Path(out) if out else default_stats_path(model)
     if text_path is not None and target.exists() and target.resolve() == Path(text_path).resolve():

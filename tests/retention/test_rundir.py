@@ -8,7 +8,8 @@ import pytest
 
 from protocol.errors import ProtocolError
 from retention.errors import RetentionError
-from retention.runner import Arm, RunDir, count_pending, pending
+from retention.runner import Arm, RunDir, count_pending
+from retention.shard import shard_pairs
 
 CONFIG = {"model": "tiny-random", "scorer": "streaming", "budget": 40, "samples": 2}
 
@@ -84,11 +85,13 @@ def test_duplicated_record_is_refused(tmp_path):
 
 
 def test_pending_pairs_are_lazy(tmp_path):
+    """`run_arms` draws its (problem, sample) pairs from `shard_pairs` and counts what is left with
+    `count_pending`: neither allocates per sample."""
     run = _fill(tmp_path, n=1)
     run = RunDir(run.path, CONFIG)
     arm = Arm(run, "streaming", {}, None)
     problems = [SimpleNamespace(unique_id=f"p{i}") for i in range(3)]
     huge = 10**20  # `--samples 99999999999999999999` must not allocate
-    first = list(itertools.islice(pending([arm], problems, huge), 3))
-    assert [(p.unique_id, s) for p, s, _ in first] == [("p0", 1), ("p0", 2), ("p0", 3)]
+    first = list(itertools.islice(shard_pairs(len(problems), huge, None), 3))
+    assert first == [(0, 0), (0, 1), (0, 2)]
     assert count_pending([arm], problems, huge) == (3 * huge, 3 * huge - 1)
