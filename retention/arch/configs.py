@@ -32,7 +32,7 @@ class ArchConfig:
     `layer_dim` per head (head dim = shared_dim + layer_dim). path-residual: the path's first layer
     `head_dim`, later layers a `layer_dim` delta expanded per head to `head_dim`.
     mla / qk-norm-mla: latent `latent_dim`, RoPE key `rope_dim`, per head `nope_dim` content key
-    and `v_dim` value; qk-norm-mla normalises keys per `kv_heads` groups. path-mla: one
+    and `v_dim` value (mla: queries optionally through a `q_lora_rank` latent); qk-norm-mla normalises keys per `kv_heads` groups. path-mla: one
     `latent_dim` latent per path, per layer a `rope_dim` K delta (its RoPE key) and a `layer_dim`
     V delta.
     """
@@ -52,6 +52,7 @@ class ArchConfig:
     rope_dim: int = 0
     nope_dim: int = 0
     v_dim: int = 0
+    q_lora_rank: int = 0  # mla: queries through a compressed latent of this width (DeepSeek-V3); 0: none
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     init_range: float = 0.2

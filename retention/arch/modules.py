@@ -192,7 +192,8 @@ class PathResidualAttention(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2, no query compression).
+    """Multi-head latent attention (DeepSeek-V2/V3; queries compressed through a `q_lora_rank` latent
+    when the config has one, as DeepSeek-V3 does).
 
     Cached per token: `c_kv` `[B, 1, n, latent]` (after `kv_a_layernorm`) and the decoupled RoPE
     key `[B, 1, n, rope]`. Per head `k = [W_uk c ; k_rope]`, `v = W_uv c` with `kv_b_proj` =
@@ -205,7 +206,12 @@ class MLAttention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.absorb = True
         h = cfg.q_heads
-        self.q_proj = _linear(cfg.hidden, h * (cfg.nope_dim + cfg.rope_dim))
+        if cfg.q_lora_rank:
+            self.q_a_proj = _linear(cfg.hidden, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.q_b_proj = _linear(cfg.q_lora_rank, h * (cfg.nope_dim + cfg.rope_dim))
+        else:
+            self.q_proj = _linear(cfg.hidden, h * (cfg.nope_dim + cfg.rope_dim))
         self.kv_a_proj_with_mqa = _linear(cfg.hidden, cfg.latent_dim + cfg.rope_dim)
         self.kv_a_layernorm = RMSNorm(cfg.latent_dim, cfg.norm_eps)
         self.kv_b_proj = _linear(cfg.latent_dim, h * (cfg.nope_dim + cfg.v_dim))
@@ -221,7 +227,8 @@ class MLAttention(nn.Module):
 
     def query(self, x, pos) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        q_nope, q_rope = _heads(self.q_proj(x), c.q_heads).split([c.nope_dim, c.rope_dim], -1)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
+        q_nope, q_rope = _heads(q, c.q_heads).split([c.nope_dim, c.rope_dim], -1)
         return q_nope, rope(q_rope, pos, c.rope_theta)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,21 +47,26 @@ def test_absorbed_equals_materialised_float64(name):
     assert absorbed.std() > 0.1  # far from a constant output: the comparison means something
 
 
-def test_mla_equals_transformers_deepseek_v2():
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+@pytest.mark.parametrize(("version", "q_lora_rank"), [("v2", None), ("v3", 16), ("v3", None)])
+def test_mla_equals_transformers_deepseek(version, q_lora_rank):
+    """Full-cache logits of the reference MLA against transformers' DeepseekV2/V3 (dense layers,
+    weights shared); V3 with and without its compressed queries."""
+    import transformers
 
-    hf_config = DeepseekV2Config(
+    prefix = "DeepseekV2" if version == "v2" else "DeepseekV3"
+    extra = {} if version == "v2" else {"rope_interleave": True}
+    hf_config = getattr(transformers, f"{prefix}Config")(
         vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=q_lora_rank, qk_rope_head_dim=8, qk_nope_head_dim=16,
         v_head_dim=16, first_k_dense_replace=3, rms_norm_eps=1e-6, tie_word_embeddings=False,
         # 0.1: logits of a few units, where float32 rounding (of either implementation) stays below 1e-5.
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, initializer_range=0.1,
-        attn_implementation="eager",
+        attn_implementation="eager", **extra,
     )
     torch.manual_seed(0)
-    hf = DeepseekV2ForCausalLM(hf_config).eval()
+    hf = getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval()
     ours = ArchLM(ArchConfig("mla", layers=3, hidden=64, q_heads=4, vocab=259, ffn=128, latent_dim=24, rope_dim=8,
-                             nope_dim=16, v_dim=16)).eval()
+                             nope_dim=16, v_dim=16, q_lora_rank=q_lora_rank or 0)).eval()
     with torch.no_grad():
         for p in hf.parameters():  # norms away from 1 so that their weights are checked too
             p.add_(torch.randn_like(p) * 0.05)
