@@ -8,11 +8,11 @@ asserts nothing). Random weights throughout: the KL figures are a plumbing check
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from retention.arch.configs import TINY, ArchConfig
+from retention.arch.bench import DEFAULT_STEPS, STUDY_BATCH, STUDY_CONTEXTS, step_times
+from retention.arch.configs import TINY
 from retention.arch.model import build_arch
 from retention.arch.retention import decode
 
@@ -44,35 +44,15 @@ def kl_at_matched_bytes(kib: float = 32.0, length: int = 128, prompt: int = 32) 
         print(f"{name:<20} {tokens:>6}  {row[0]:>9.4f} {row[1]:>9.4f}")
 
 
-def step_time(contexts=(512, 2048, 8192), batch: int = 8, steps: int = 3) -> None:
-    """One decode forward on a cache pre-filled with random stored tensors of the right shapes."""
-    shape = dict(layers=12, hidden=768, q_heads=12, vocab=50_304, ffn=3072, init_range=0.02)
-    configs = {
-        "MHA": ArchConfig("kv", kv_heads=12, head_dim=64, **shape),
-        "GQA": ArchConfig("kv", kv_heads=4, head_dim=64, **shape),
-        "MQA": ArchConfig("kv", kv_heads=1, head_dim=64, **shape),
-        "MLA (absorbed)": ArchConfig("mla", latent_dim=256, rope_dim=16, nope_dim=64, v_dim=64, **shape),
-    }
-    print(f"\ndecode step time (ms), batch {batch}, bfloat16, random weights, {torch.get_num_threads()} threads")
+def step_time(contexts=STUDY_CONTEXTS, batch: int = STUDY_BATCH, steps: int = DEFAULT_STEPS) -> None:
+    """The step-time table of `retention bench --layouts mha,gqa,mqa,mla` (`retention.arch.bench`)."""
+    names = ["mha", "gqa", "mqa", "mla"]
+    rows = step_times(names, list(contexts), [batch], steps=steps, dtype="bfloat16", echo=lambda _: None)
+    print(f"\ndecode step time (ms), batch {batch}, bfloat16, random weights, {torch.get_num_threads()} threads "
+          f"(median of {steps})")
     print("layout          " + "".join(f"{c:>10}" for c in contexts))
-    for name, cfg in configs.items():
-        model = build_arch(cfg, dtype=torch.bfloat16)
-        row = []
-        for n in contexts:
-            cache = model.new_cache()
-            cache.positions = [torch.arange(n).expand(batch, cache.layout.kv_heads, -1) for _ in cache.groups]
-            for s in cache.layout.stores:
-                cache.tensors[s.name] = torch.randn(batch, s.heads, n, s.dim, dtype=torch.bfloat16)
-            ids, pos = torch.zeros(batch, 1, dtype=torch.long), torch.full((batch, 1), n)
-            times = []
-            with torch.no_grad():
-                for i in range(steps):
-                    t = time.perf_counter()
-                    model(ids, pos + i, cache, logits_to_keep=1)
-                    times.append(time.perf_counter() - t)
-            row.append(min(times) * 1000)
-            del cache
-        print(f"{name:<16}" + "".join(f"{t:>10.1f}" for t in row))
+    for name in names:
+        print(f"{name:<16}" + "".join(f"{r['step_ms_median']:>10.1f}" for r in rows if r["layout"] == name))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,7 @@ STRING_BAD = {
     "--shard": ["x", "2/2", "0/0", "-1/3", "1/2/3"],
     ("bench", "--batch-sizes"): ["x", "0", "-2", ","],
     ("bench", "--context"): ["x", "0", "1.5"],
+    ("bench", "--layouts"): ["nope", ",", "mha,nope"],
     ("audit", "targets"): ["no-such-layout"],
     ("stats", "--treatment"): ["nocolumn"],
     ("stats", "--baseline"): ["nocolumn"],

@@ -1,4 +1,5 @@
-"""`retention bench`: speed, compaction cost, measured cache and agreement figures as JSON."""
+"""`retention bench`: speed, compaction cost, measured cache and agreement figures as JSON; with
+`--layouts`, decode step time against context for the study's 124M layouts (`retention.arch.bench`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import os
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from retention.cli.options import splits_dir_option
 from retention.errors import RetentionError
+
+# Options both benchmarks read; every other option belongs to one of them (`_LAYOUT_ONLY` or the scorer benchmark).
+_SHARED = {"contexts", "batch_sizes", "dtype", "device", "threads", "out"}
+_LAYOUT_ONLY = {"layouts", "steps"}
 
 
 @click.command("bench")
@@ -16,10 +22,19 @@ from retention.errors import RetentionError
 @click.option("--scorer", "--scorers", "scorers", default="full,streaming,random", show_default=True,
               help="Comma list of scorers and reference variants (dynamic-cache: plain transformers DynamicCache; "
                    "ideal-crop: DynamicCache cut to the budget after every step, no scoring). --scorers: old name.")
-@click.option("--batch-sizes", default="1", show_default=True, help="Comma list of batch sizes (sequences per step).")
+@click.option("--layouts", default=None,
+              help="Comma list of the 124M study layouts (mha, gqa, mqa, mla, mla-materialised): time one decode "
+                   "step against context on random weights instead of the scorer benchmark.")
+@click.option("--batch-sizes", default=None, help="Comma list of batch sizes (sequences per step) [default: 1; 8 with --layouts].")
 @click.option("--context", "contexts", default=None,
-              help="Comma list of context lengths C: decode after C tokens of real text instead of a MATH prompt.")
+              help="Comma list of context lengths C: decode after C tokens of real text instead of a MATH prompt "
+                   "[with --layouts: tokens pre-filled, default 512,2048,8192].")
+@click.option("--steps", type=click.IntRange(min=1, max=10_000), default=None,
+              help="With --layouts: timed decode steps per point, after one warm-up (median reported) [default: 3].")
 @click.option("--budget", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--budget-bytes", "budget_kib", type=float, default=None,
+              help="Cache budget in KiB per sequence instead of --budget: the tokens that many KiB of the model's "
+                   "cache layout hold (as in `retention run`).")
 @click.option("--interval", type=click.IntRange(min=1), default=None, help="Default: min(128, budget).")
 @click.option("--accounting", default="mean", show_default=True, help="Comma list of accounting modes to measure.")
 @click.option("--max-new-tokens", "--new-tokens", "new_tokens", type=click.IntRange(min=1, max=1 << 20), default=512,
@@ -38,20 +53,24 @@ from retention.errors import RetentionError
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Also write the figures to this JSON file (replaced atomically); they always go to stdout.")
 @splits_dir_option
-def bench_command(model, scorers, batch_sizes, contexts, budget, interval, accounting, new_tokens, problems, agreement_tokens, stats_path, lam,
-                  dtype, device, threads, out, splits_dir):
-    """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`."""
-    import torch
-
+@click.pass_context
+def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, budget, budget_kib, interval, accounting,
+                  new_tokens, problems, agreement_tokens, stats_path, lam, dtype, device, threads, out, splits_dir):
+    """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`;
+    with --layouts, decode step time against context for the 124M study layouts (random weights)."""
+    # Explicit means typed on the command line: an environment default (--splits-dir) is not a choice.
+    given = {p.name: p.opts[0] for p in ctx.command.params
+             if ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE}
+    if layouts is not None:
+        _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, threads, out)
+        return
+    _refuse_foreign(given, _LAYOUT_ONLY, "only with --layouts")
     from protocol.splits import load_split
-    from retention.bench import run_bench
+    from retention.bench import REFERENCE_VARIANTS, run_bench
+    from retention.cadence import ACCOUNTING_MODES
+    from retention.cli.run_cmd import _layout_budget
     from retention.models import load_model
     from retention.scorers import get_scorer_class
-
-    from protocol.io import check_writable, dumps, ensure_dir, write_atomic
-    from protocol.report import json_safe
-    from retention.cadence import ACCOUNTING_MODES
-    from retention.bench import REFERENCE_VARIANTS
 
     names = [s.strip() for s in scorers.split(",") if s.strip()]
     if not names:
@@ -59,7 +78,7 @@ def bench_command(model, scorers, batch_sizes, contexts, budget, interval, accou
     for n in names:
         if n not in REFERENCE_VARIANTS:
             get_scorer_class(n)  # fail fast on an unknown name
-    sizes = _int_list(batch_sizes, "--batch-sizes")
+    sizes = _int_list(batch_sizes or "1", "--batch-sizes")
     ctxs = _int_list(contexts, "--context") if contexts else [None]
     if not names or not sizes:
         raise RetentionError("--scorers and --batch-sizes need at least one entry")
@@ -74,24 +93,78 @@ def bench_command(model, scorers, batch_sizes, contexts, budget, interval, accou
     from retention.scorers import make_scorer
 
     scorer_names = [n for n in names if n not in REFERENCE_VARIANTS]
+    if budget_kib is not None:  # the same conversion (and refusals) as `retention run --budget-bytes`
+        budget = _layout_budget(model, dtype, scorer_names, budget if "budget" in given else None, budget_kib)
     if scorer_names:  # an option no listed scorer takes is an error, as in `run`
         resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
     for n in scorer_names:  # every cadence is checked before the model loads
         for mode in modes:
             cadence_for(make_scorer(n), budget, interval, mode)
-    if out:
-        check_writable(Path(out), "--out")
-    if threads:
-        if threads > (os.cpu_count() or 1):  # far more threads than CPUs crashed torch
-            raise RetentionError(f"--threads {threads} is more than the {os.cpu_count()} CPUs of this machine")
-        torch.set_num_threads(threads)
+    _check_out(out)
+    torch = _set_threads(threads)
     loaded = load_model(model, dtype=dtype, device=device)
     dev = load_split("dev", splits_dir=splits_dir)
     params = {k: v for k, v in {"stats": stats_path, "lam": lam}.items() if v is not None}
     figures = run_bench(loaded, dev, names, budget, new_tokens, modes, problems, interval=interval, params=params,
                         agreement_tokens=agreement_tokens, echo=lambda msg: click.echo(msg, err=True),
                         batch_sizes=sizes, contexts=ctxs)
+    # The budget in both units: tokens per (layer, KV head) and the KiB per sequence they hold.
+    figures["budget_kib"] = budget * loaded.geometry.kib_per_token
+    if budget_kib is not None:
+        figures["budget_kib_requested"] = budget_kib
     figures["threads"] = torch.get_num_threads()
+    _emit(figures, out)
+
+
+def _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, threads, out) -> None:
+    """`--layouts`: validate, then time (`retention.arch.bench.run_layout_bench`)."""
+    from retention.arch import bench
+    from retention.models import resolve_device
+
+    names = bench.parse_layouts(layouts)
+    _refuse_foreign(given, set(given) - _SHARED - _LAYOUT_ONLY, "only for the scorer benchmark, not with --layouts")
+    ctxs = _int_list(contexts or ",".join(map(str, bench.STUDY_CONTEXTS)), "--context")
+    sizes = _int_list(batch_sizes or str(bench.STUDY_BATCH), "--batch-sizes")
+    if not ctxs or not sizes:
+        raise RetentionError("--context and --batch-sizes need at least one entry")
+    device = resolve_device(device)
+    _check_out(out)
+    _set_threads(threads)
+    figures = bench.run_layout_bench(names, ctxs, sizes, steps=steps or bench.DEFAULT_STEPS, dtype=dtype,
+                                     device=device, echo=lambda msg: click.echo(msg, err=True))
+    _emit(figures, out)
+
+
+def _refuse_foreign(given: dict[str, str], names: set[str], why: str) -> None:
+    """One line naming the explicitly given options among `names` (the other benchmark's), which
+    would otherwise be silently ignored."""
+    foreign = [opt for name, opt in given.items() if name in names]
+    if foreign:
+        raise RetentionError(f"{', '.join(foreign)}: {why}")
+
+
+def _check_out(out) -> None:
+    from protocol.io import check_writable
+
+    if out:
+        check_writable(Path(out), "--out")
+
+
+def _set_threads(threads):
+    import torch
+
+    if threads:
+        if threads > (os.cpu_count() or 1):  # far more threads than CPUs crashed torch
+            raise RetentionError(f"--threads {threads} is more than the {os.cpu_count()} CPUs of this machine")
+        torch.set_num_threads(threads)
+    return torch
+
+
+def _emit(figures: dict, out) -> None:
+    """The figures as JSON on stdout and, with --out, into that file (replaced atomically)."""
+    from protocol.io import dumps, ensure_dir, write_atomic
+    from protocol.report import json_safe
+
     text = dumps(json_safe(figures), indent=2) + "\n"
     click.echo(text, nl=False)
     if out:
