@@ -65,10 +65,15 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
         _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, threads, out)
         return
     _refuse_foreign(given, _LAYOUT_ONLY, "only with --layouts")
+    from retention.models import resolve_model
+
+    if resolve_model(model).kind == "arch":  # its own cache and decode loop, not the batched engine
+        raise RetentionError(f"{model} is a reference layout model: time its family with `retention bench --layouts`, "
+                             f"generate with `retention run --model {model}`")
     from protocol.splits import load_split
     from retention.bench import REFERENCE_VARIANTS, run_bench
     from retention.cadence import ACCOUNTING_MODES
-    from retention.cli.run_cmd import _layout_budget
+    from retention.cli.run_cmd import budget_from_bytes
     from retention.models import load_model
     from retention.scorers import get_scorer_class
 
@@ -94,7 +99,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
 
     scorer_names = [n for n in names if n not in REFERENCE_VARIANTS]
     if budget_kib is not None:  # the same conversion (and refusals) as `retention run --budget-bytes`
-        budget = _layout_budget(model, dtype, scorer_names, budget if "budget" in given else None, budget_kib)
+        budget = budget_from_bytes(model, dtype, budget if "budget" in given else None, budget_kib)
     if scorer_names:  # an option no listed scorer takes is an error, as in `run`
         resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
     for n in scorer_names:  # every cadence is checked before the model loads

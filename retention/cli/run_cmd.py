@@ -164,7 +164,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     names = _scorer_list(scorers)
     if baseline and baseline not in names:
         names.append(baseline)
-    budget = _layout_budget(model, dtype, budget, budget_kib)
+    budget = budget_from_bytes(model, dtype, budget, budget_kib)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
     from retention.cli.scorer_options import resolve
 
@@ -211,7 +211,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         click.echo(_summary_line(d, shard))
 
 
-def _layout_budget(model: str, dtype: str, budget: int | None, budget_kib: float | None) -> int | None:
+def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: float | None) -> int | None:
     """The token budget: --budget, or --budget-bytes converted through the model's cache layout."""
     if budget_kib is None:
         return budget
