@@ -68,12 +68,12 @@ def prefilled_cache(model: ArchLM, context: int, batch: int, device):
     The weights are random, so prefilling real tokens would produce equally meaningless stored
     values and only cost a prefill forward (minutes at 8k on a CPU): what a decode step costs
     depends on the shapes it reads, not on the values."""
-    cache = model.new_cache()
+    cache = model.new_cache(capacity=context + 1)  # room for the decode step's token: written in place
     dtype = model.lm_head.weight.dtype
     g = cache.layout.kv_heads
     cache.positions = [torch.arange(context, device=device).expand(batch, g, -1) for _ in cache.groups]
     for s in cache.layout.stores:
-        cache.tensors[s.name] = torch.randn(batch, s.heads, context, s.dim, device=device, dtype=dtype)
+        cache.append(s.name, torch.randn(batch, s.heads, context, s.dim, device=device, dtype=dtype))
     return cache
 
 
@@ -95,16 +95,15 @@ def _sync(device: torch.device) -> None:
 def time_point(model: ArchLM, context: int, batch: int, steps: int, warmup: int = 1) -> dict:
     """Median of `steps` timed decode steps at `context` after `warmup` untimed ones.
 
-    Every step starts from the same pre-filled cache (its append would otherwise grow the context
-    by one per step): `LayoutCache.append` concatenates into new tensors, so restoring the saved
-    dict and positions is free. Bytes are measured from the pre-filled tensors (`nbytes`)."""
+    Every step starts from the same pre-filled context (its append would otherwise grow it by one
+    per step): `LayoutCache.truncate` rewinds the step's token, which the next step overwrites in
+    the preallocated buffers. Bytes are measured from the pre-filled tensors (`nbytes`)."""
     device = model.lm_head.weight.device
     cache = prefilled_cache(model, context, batch, device)
-    tensors, positions = dict(cache.tensors), list(cache.positions)
     stored = cache.nbytes()
     times = []
     for i in range(warmup + steps):
-        cache.tensors, cache.positions = dict(tensors), list(positions)
+        cache.truncate(context)
         _sync(device)
         t0 = time.perf_counter()
         decode_step(model, cache, batch)

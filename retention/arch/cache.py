@@ -5,8 +5,13 @@ layout's eviction heads (`kv_heads`: 1 for an MLA latent, so a token is kept or 
 
 Every store of a sharing group holds the same tokens in the same order, with one position tensor
 `[B, G, n]` per group: a compaction gathers all of the group's stores with the group's kept
-indices, so a token a sharing layer evicted is gone for every layer that reads it. Eviction is a
-gather into new tensors (memory really shrinks), as in `retention.cache.RetentionLayer.compact`.
+indices, so a token a sharing layer evicted is gone for every layer that reads it.
+
+Memory: each store is a preallocated buffer `[B, h, capacity, d]` written in place (a decode step
+copies only its new token, not the whole cache), grown by doubling when full. A compaction gathers
+the kept tokens into a new buffer of `max(capacity, kept)` tokens, so the memory of evicted tokens
+is released, as in `retention.cache.RetentionLayer.compact`. `tensors[name]` is the view of the
+stored tokens `[B, h, n, d]`; `nbytes` counts them, `allocated_bytes` the buffers.
 """
 
 from __future__ import annotations
@@ -17,14 +22,20 @@ from retention.layouts import CacheLayout
 
 
 class LayoutCache:
-    """Stored tensors `[B, h, n, d]` by store name, positions `[B, G, n]` by sharing group."""
+    """Stored tensors `[B, h, n, d]` by store name, positions `[B, G, n]` by sharing group.
 
-    def __init__(self, layout: CacheLayout):
+    capacity: tokens each store's buffer holds before it grows (e.g. `b + N` under a budget, prompt +
+    new tokens for the full cache); 0 sizes buffers from the first write.
+    """
+
+    def __init__(self, layout: CacheLayout, capacity: int = 0):
         self.layout = layout
+        self.capacity = capacity
         self.groups = layout.groups()
         self.group_of_layer = {layer: g for g, members in enumerate(self.groups) for layer in members}
         self.group_of_store = {s.name: self.group_of_layer[s.writer] for s in layout.stores}
         self.tensors: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
         self.positions: list[torch.Tensor | None] = [None] * len(self.groups)
         # Called as observer(layer, probs [B, G, q, n]) through `note_attention` (attention-based scorers).
         self.observer = None
@@ -38,11 +49,32 @@ class LayoutCache:
         new = position_ids[:, None, :].expand(-1, g, -1)
         self.positions = [new if p is None else torch.cat([p, new], -1) for p in self.positions]
 
+    def _buffer(self, name: str, like: torch.Tensor, tokens: int) -> torch.Tensor:
+        """A new buffer for `tokens` tokens of store `name` (at least `capacity`), shaped like `like`."""
+        b, h, _, d = like.shape
+        buf = like.new_empty(b, h, max(self.capacity, tokens), d)
+        self._buffers[name] = buf
+        return buf
+
     def append(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """Append `x` `[B, h, q, d]` to store `name`; return everything it holds `[B, h, n, d]`."""
+        """Write `x` `[B, h, q, d]` after store `name`'s tokens; return everything it holds `[B, h, n, d]`."""
         old = self.tensors.get(name)
-        self.tensors[name] = x if old is None else torch.cat([old, x], 2)
+        n, q = (0 if old is None else old.shape[2]), x.shape[2]
+        buf = self._buffers.get(name)
+        in_place = buf is not None and old is not None and old.data_ptr() == buf.data_ptr()
+        if not in_place or n + q > buf.shape[2]:
+            grown = self._buffer(name, x, 2 * (n + q) if old is not None else n + q)
+            if n:
+                grown[:, :, :n] = old
+            buf = grown
+        buf[:, :, n:n + q] = x
+        self.tensors[name] = buf[:, :, :n + q]
         return self.tensors[name]
+
+    def truncate(self, n: int) -> None:
+        """Forget every token after the first `n` of each store and group (benchmarks rewind a step)."""
+        self.tensors = {k: v[:, :, :n] for k, v in self.tensors.items()}
+        self.positions = [None if p is None else p[..., :n] for p in self.positions]
 
     def note_attention(self, layer: int, probs: torch.Tensor) -> None:
         """Hand `layer`'s attention probabilities `[B, X, r, q, n]` (X groups of r query heads) to
@@ -73,9 +105,16 @@ class LayoutCache:
             if idx.shape[1] != x.shape[1]:
                 # A store with per-head scalars under a one-head (latent) eviction unit.
                 idx = idx.expand(-1, x.shape[1], -1)
-            self.tensors[name] = torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+            kept = torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, x.shape[-1]))
+            buf = self._buffer(name, kept, kept.shape[2])
+            buf[:, :, :kept.shape[2]] = kept
+            self.tensors[name] = buf[:, :, :kept.shape[2]]
         self.positions = [torch.gather(p, 2, k) for p, k in zip(self.positions, keep, strict=True)]
 
     def nbytes(self) -> int:
-        """Bytes of every stored tensor (positions, bookkeeping, excluded)."""
+        """Bytes of every stored token's tensors (positions, bookkeeping and free buffer space excluded)."""
         return sum(x.numel() * x.element_size() for x in self.tensors.values())
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers (stored tokens plus the room preallocated for the coming ones)."""
+        return sum(x.numel() * x.element_size() for x in self._buffers.values())

@@ -50,15 +50,17 @@ def generate_one(model: ArchLM, request: Request, scorer: str, params: dict, cad
     prompt = list(request.prompt_ids)
     P = len(prompt)
     group = arch_retention.GroupScorer(scorer, seed=request.seed, **{k: v for k, v in params.items() if k in PARAMS})
-    cache = model.new_cache()
+    evicts = group.evicts and cadence.evicts
+    full_length = P + sampling.max_new_tokens
+    # Buffers of b + N tokens under a budget (the most a row stores before it compacts).
+    cache = model.new_cache(cadence.keep(P) + cadence.interval if evicts else full_length)
     group.attach(cache)
-    ref = model.new_cache() if fidelity else None
+    ref = model.new_cache(full_length) if fidelity else None
     fid = Fidelity() if fidelity else None
     meter = BudgetMeter(kib_per_token=kib_per_token, budget=cadence.budget)
     gen = None
     if sampling.temperature > 0:
         gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(request.seed)
-    evicts = group.evicts and cadence.evicts
     decode_s, compact_s, out = [], [], []
 
     def after_forward(next_position: int, prefill: bool) -> None:

@@ -59,8 +59,9 @@ class ArchLM(nn.Module):
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
-    def new_cache(self) -> LayoutCache:
-        return LayoutCache(self.config.cache_layout().with_dtype(self.lm_head.weight.dtype))
+    def new_cache(self, capacity: int = 0) -> LayoutCache:
+        """An empty cache of this model's layout; `capacity` tokens preallocated per store."""
+        return LayoutCache(self.config.cache_layout().with_dtype(self.lm_head.weight.dtype), capacity)
 
     def set_absorb(self, absorb: bool) -> None:
         """Absorbed (latent) or materialised keys/values in every MLA layer."""

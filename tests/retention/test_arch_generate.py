@@ -80,6 +80,8 @@ def test_meter_bytes_are_the_stored_tensors_and_groups_stay_consistent(name, sco
             assert cache.tensors[s.name].shape[2] == cache.positions[cache.group_of_store[s.name]].shape[-1]
         for g, members in enumerate(cache.groups):
             assert all(cache.layer_positions(m) is cache.positions[g] for m in members)
+        if meter.steps:  # decoding: buffers of b + N tokens, written in place, never grown
+            assert cache.allocated_bytes() == (cadence.nominal + cadence.interval) * layout.bytes_per_token
         seen.append(stored[0])
 
     g = _generate(model, scorer, cadence, on_step=check)
@@ -151,3 +153,19 @@ def test_plan_validation_refuses_them_too():
     with pytest.raises(RetentionError, match="cannot score the tiny-kv cache"):
         validate_arm({"model": "tiny-kv", "scorer": "alpha", "budget": 16})
     validate_arm({"model": "tiny-kv", "scorer": "snapkv", "budget": 16})
+
+
+def test_layout_cache_writes_in_place_grows_and_rewinds():
+    model = build_arch("tiny-mla")
+    cache = model.new_cache(capacity=6)
+    x = torch.randn(1, 1, 4, 3)
+    held = cache.append("s", x)
+    buf = held.data_ptr()
+    cache.append("s", torch.ones(1, 1, 2, 3))
+    assert cache.read("s").data_ptr() == buf and cache.read("s").shape[2] == 6  # in place, at capacity
+    grown = cache.append("s", torch.zeros(1, 1, 1, 3))
+    assert grown.data_ptr() != buf and cache.allocated_bytes() == 14 * 3 * 4  # doubled to 2 x 7
+    assert torch.equal(grown[:, :, :4], x) and grown[:, :, 4:6].eq(1).all() and grown[:, :, 6].eq(0).all()
+    cache.truncate(4)
+    again = cache.append("s", torch.full((1, 1, 1, 3), 7.0))
+    assert again.shape[2] == 5 and again[:, :, 4].eq(7).all() and torch.equal(again[:, :, :4], x)
