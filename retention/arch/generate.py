@@ -1,4 +1,5 @@
-"""`retention run` on a reference layout model (`ArchLM`): sampled decoding under retention.
+"""`retention run` on the reference modules (`ArchLM`, or a DeepSeek checkpoint on the reference
+MLA: `retention.arch.deepseek`): sampled decoding under retention.
 
 The same contract as `retention.engine.run_engine` (requests in, one `Generation` per request to
 `on_finish`, the same `BudgetMeter` and `Fidelity` records), one sequence at a time: these models
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from retention.arch import retention as arch_retention
-from retention.arch.model import ArchLM
+from retention.arch.model import LayoutLM
 from retention.cadence import Cadence
 from retention.engine import Fidelity, Generation, Request, SamplingConfig, sample_next
 from retention.meter import BudgetMeter
@@ -31,15 +32,15 @@ from retention.meter import BudgetMeter
 PARAMS = ("window", "kernel")
 
 
-def _forward(model: ArchLM, ids: list[int], start: int, cache) -> torch.Tensor:
+def _forward(model: LayoutLM, ids: list[int], start: int, cache) -> torch.Tensor:
     """Forward `ids` at positions `start...`; the next-token logits `[V]`."""
-    dev = model.lm_head.weight.device
+    dev = model.device
     pos = torch.arange(start, start + len(ids), device=dev)[None]
     return model(torch.tensor([ids], device=dev), pos, cache, logits_to_keep=1).logits[0, -1]
 
 
 @torch.no_grad()
-def generate_one(model: ArchLM, request: Request, scorer: str, params: dict, cadence: Cadence,
+def generate_one(model: LayoutLM, request: Request, scorer: str, params: dict, cadence: Cadence,
                  sampling: SamplingConfig, eos_ids: set[int], kib_per_token: float, *, fidelity: bool = False,
                  on_step: Callable[[object, BudgetMeter], None] | None = None) -> Generation:
     """Decode one request under `scorer` (a name of `arch_retention.SCORERS`) and `cadence`.
@@ -60,7 +61,7 @@ def generate_one(model: ArchLM, request: Request, scorer: str, params: dict, cad
     meter = BudgetMeter(kib_per_token=kib_per_token, budget=cadence.budget)
     gen = None
     if sampling.temperature > 0:
-        gen = torch.Generator(device=model.lm_head.weight.device).manual_seed(request.seed)
+        gen = torch.Generator(device=model.device).manual_seed(request.seed)
     decode_s, compact_s, out = [], [], []
 
     def after_forward(next_position: int, prefill: bool) -> None:
@@ -99,7 +100,7 @@ def generate_one(model: ArchLM, request: Request, scorer: str, params: dict, cad
     return Generation(out, finish, meter, time.perf_counter() - t0, fid, decode_s, compact_s)
 
 
-def run_arch(model: ArchLM, requests: Sequence[Request], scorer: str, params: dict, cadence: Cadence,
+def run_arch(model: LayoutLM, requests: Sequence[Request], scorer: str, params: dict, cadence: Cadence,
              sampling: SamplingConfig, eos_ids: set[int], kib_per_token: float, *, fidelity: bool = False,
              on_finish: Callable[[Request, Generation], None] | None = None) -> None:
     """Decode every request in order; `on_finish(request, generation)` as each one ends."""

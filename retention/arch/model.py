@@ -50,7 +50,26 @@ class ArchOutput:
     logits: torch.Tensor  # [B, q, vocab]
 
 
-class ArchLM(nn.Module):
+class LayoutLM(nn.Module):
+    """What `retention.arch.generate` decodes: `forward(input_ids, position_ids, cache,
+    logits_to_keep)` on a `LayoutCache` of `config.cache_layout()`."""
+
+    config: ArchConfig
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def new_cache(self, capacity: int = 0) -> LayoutCache:
+        """An empty cache of this model's layout; `capacity` tokens preallocated per store."""
+        return LayoutCache(self.config.cache_layout().with_dtype(self.dtype), capacity)
+
+
+class ArchLM(LayoutLM):
     """Parameter names match transformers' Llama/DeepSeek-V2 causal LMs (`model.layers.N.self_attn...`)."""
 
     def __init__(self, config: ArchConfig):
@@ -58,10 +77,6 @@ class ArchLM(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
-
-    def new_cache(self, capacity: int = 0) -> LayoutCache:
-        """An empty cache of this model's layout; `capacity` tokens preallocated per store."""
-        return LayoutCache(self.config.cache_layout().with_dtype(self.lm_head.weight.dtype), capacity)
 
     def set_absorb(self, absorb: bool) -> None:
         """Absorbed (latent) or materialised keys/values in every MLA layer."""
@@ -83,8 +98,8 @@ class ArchLM(nn.Module):
 
 
 def is_arch_model(model) -> bool:
-    """Whether `model` is a reference layout model (decoded by `retention.arch.generate`)."""
-    return isinstance(model, ArchLM)
+    """Whether `model` decodes on the reference modules (`retention.arch.generate`)."""
+    return isinstance(model, LayoutLM)
 
 
 def init_weights(model: ArchLM, seed: int) -> ArchLM:

@@ -205,6 +205,9 @@ class MLAttention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.absorb = True
+        # A checkpoint's own softmax scale and rotation (YaRN) replace these (`retention.arch.deepseek`).
+        self.scaling = (cfg.nope_dim + cfg.rope_dim) ** -0.5
+        self.rotate = None  # (x [B, h, q, d], pos [B, q]) -> rotated x; None: `rope` with `cfg.rope_theta`
         h = cfg.q_heads
         if cfg.q_lora_rank:
             self.q_a_proj = _linear(cfg.hidden, cfg.q_lora_rank)
@@ -222,14 +225,17 @@ class MLAttention(nn.Module):
         c = self.cfg
         latent, k_rope = self.kv_a_proj_with_mqa(x)[:, None].split([c.latent_dim, c.rope_dim], -1)
         ckv = cache.append(f"L{self.layer}.c_kv", self.kv_a_layernorm(latent))
-        kr = cache.append(f"L{self.layer}.k_rope", rope(k_rope, pos, c.rope_theta))
+        kr = cache.append(f"L{self.layer}.k_rope", self._rope(k_rope, pos))
         return ckv, kr
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return rope(x, pos, self.cfg.rope_theta) if self.rotate is None else self.rotate(x, pos)
 
     def query(self, x, pos) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if c.q_lora_rank else self.q_proj(x)
         q_nope, q_rope = _heads(q, c.q_heads).split([c.nope_dim, c.rope_dim], -1)
-        return q_nope, rope(q_rope, pos, c.rope_theta)
+        return q_nope, self._rope(q_rope, pos)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`W_uk` `[H, nope, latent]`, `W_uv` `[H, v, latent]`."""
@@ -242,7 +248,7 @@ class MLAttention(nn.Module):
         ckv, kr = self.write_latent(x, pos, cache)
         q_nope, q_rope = self.query(x, pos)
         k_pos = cache.layer_positions(self.layer)
-        scale = (c.nope_dim + c.rope_dim) ** -0.5
+        scale = self.scaling
         w_uk, w_uv = self.up_weights()
         if self.absorb:
             q_latent = torch.einsum("bhqe,hec->bhqc", q_nope, w_uk)

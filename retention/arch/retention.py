@@ -74,8 +74,8 @@ def check_run_scorers(model_kind: str, layout, names: list[str]) -> None:
     if bad:
         raise RetentionError(
             f"{', '.join(bad)} cannot score a latent (MLA) cache in `retention run`: the stored keys are the latent "
-            f"and RoPE key, not per-head keys; use {', '.join(LATENT_RUN_SCORERS)} (or a reference layout model, "
-            "tiny-mla, for h2o and snapkv)"
+            f"and RoPE key, not per-head keys; use {', '.join(LATENT_RUN_SCORERS)}, or --engine reference (the "
+            "reference MLA modules) for h2o and snapkv"
         )
 
 

@@ -145,8 +145,10 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
               help="With --ray: CPUs per shard [default: 1].")
 @click.option("--retries", type=int, default=None, callback=_bounded("--retries", 0, 100),
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records) [default: 3].")
-@click.option("--engine", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True,
-              help="hf: this project's engine (every scorer); vllm: vLLM's offline API for non-evicting arms (full).")
+@click.option("--engine", type=click.Choice(["hf", "reference", "vllm"]), default="hf", show_default=True,
+              help="hf: this project's batched engine (every scorer); reference: a DeepSeek-V2/V3 checkpoint on the "
+                   "reference MLA modules (latent-cache h2o and snapkv too); vllm: vLLM's offline API for "
+                   "non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, routing, stats_path, split, data_path, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
                 seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
@@ -178,6 +180,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
             "fidelity": fidelity, **sampling}
     if budget_kib is not None:
         base["budget_kib"] = budget_kib
+    if engine == "reference":  # its own numerics: its runs never share a configuration with hf's
+        base["engine"] = engine
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
     # model or touching the output folder.
     arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options[name].items()
@@ -231,7 +235,8 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
     shard: a `retention.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
-    project's) or an external engine of `retention.engines` (non-evicting arms only).
+    project's), "reference" (a DeepSeek-V2/V3 checkpoint on `retention.arch.deepseek`) or an external
+    engine of `retention.engines` (non-evicting arms only).
     batch_size: sequences decoded together; None chooses one for the device and budget (printed).
     It is not part of the configuration hash: records do not depend on it (batch invariance), so a
     run resumes at any batch size; each record notes the batch size it was decoded in."""
@@ -244,13 +249,17 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         problems = load_split(split, data_path=data_path, splits_dir=splits_dir)
         if limit:
             problems = problems[:limit]
-    if engine != "hf":
+    if engine not in ("hf", "reference"):
         from retention.engines.run import execute_with_engine
 
         return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
                                    sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
                                    extra_config=extra_config, shard=shard)
     loaded = load_model(model, dtype=dtype, device=device)
+    if engine == "reference":
+        from retention.arch.deepseek import on_reference_engine
+
+        loaded = on_reference_engine(loaded)
     arms = []
     for name, config, params, cadence in arm_specs:
         config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
@@ -289,7 +298,8 @@ def _summary_line(run_dir: Path, shard=None) -> str:
 # samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
 # so that `confirm` can compare what was planned with what ran, key by key.
 _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "interval", "accounting", "sink", "recent", "protect_prompt",
-             "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos"}
+             "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos", "engine"}
+ENGINES = ("hf", "reference", "vllm")
 
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).
@@ -342,11 +352,20 @@ def validate_arm(cfg: dict):
         raise RetentionError("an arm configuration needs a 'model'")
     ref = resolve_model(cfg["model"])
     resolve_dtype(str(cfg.get("dtype", "float32")))
-    if ref.kind in ("arch", "local"):  # a layout that may refuse some scorers (latent, shared storage)
+    engine = cfg.get("engine", "hf")
+    if engine not in ENGINES:
+        raise RetentionError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if ref.kind in ("arch", "local") or engine == "reference":  # layouts that may refuse some scorers
         from retention.arch.retention import check_run_scorers
         from retention.models import model_layout
 
-        check_run_scorers(ref.kind, model_layout(cfg["model"], str(cfg.get("dtype", "float32"))), [cfg["scorer"]])
+        layout = model_layout(cfg["model"], str(cfg.get("dtype", "float32")))
+        if engine == "reference" and (ref.kind != "local" or layout.family != "mla"):
+            what = "is a reference layout model, always decoded on these modules" if ref.kind == "arch" else (
+                f"has a {layout.family} cache")
+            raise RetentionError(f"--engine reference runs DeepSeek-V2/V3 (MLA) checkpoint folders; {cfg['model']} "
+                                 f"{what}")
+        check_run_scorers("arch" if engine == "reference" else ref.kind, layout, [cfg["scorer"]])
     resolve_device(str(cfg.get("device", "cpu")))
     _number(cfg, "temperature", float, "--temperature", lo=0, hi=100, default=0.6)
     _number(cfg, "top_p", float, "--top-p", lo=0, hi=1, lo_open=True, default=0.95)
@@ -469,6 +488,8 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
             "split": "confirm", "data": cfg.get("data"),
             "limit": cfg.get("limit"), "samples": int(cfg["samples"]), "seed": int(cfg["seed"]),
             "fidelity": bool(cfg.get("fidelity", False)), **sampling}
+    if "engine" in cfg:
+        base["engine"] = cfg["engine"]
     try:
         spec = validate_arm(dict(base, scorer=cfg["scorer"], scorer_params=params))
     except RetentionError as exc:  # bad input, not a crash: confirm must not log it as one
@@ -481,7 +502,7 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
     dirs = execute(base["model"], base["dtype"], base["device"], [spec], split="confirm", data_path=base["data"],
                    limit=base["limit"], samples=base["samples"], seed=base["seed"], sampling=sampling,
                    fidelity=base["fidelity"], grade=True, out=Path(out_dir), progress=True, problems=problems,
-                   extra_config=extra, shard=shard)
+                   extra_config=extra, shard=shard, engine=base.get("engine", "hf"))
     return dirs[0]
 
 
