@@ -1,7 +1,9 @@
 """Decode step time against context for the layouts of the MHA/MQA/GQA/MLA study (issue 14).
 
 `STUDY_124M` holds the study's 124M configurations as data (12 layers, hidden 768, 12 query heads,
-vocabulary 50,304, SwiGLU 3072); `step_times` times one decode forward of an `ArchLM` per
+vocabulary 50,304, tied embeddings, a SwiGLU of width 2048, which has the parameters of GPT-2's
+GELU MLP of width 3072: the MHA row counts 123.6M parameters, GPT-2 small's 124.4M less its
+learned position embeddings, which RoPE replaces); `step_times` times one decode forward of an `ArchLM` per
 (layout, context) for a batch; `run_layout_bench` is what `retention bench --layouts` prints.
 
 Shapes: batch `B`, context `n` (tokens already stored), a store's heads `h` and width `d`.
@@ -26,7 +28,7 @@ STUDY_CONTEXTS = (512, 2048, 8192)
 STUDY_BATCH = 8
 DEFAULT_STEPS = 3
 
-_SHAPE_124M = dict(layers=12, hidden=768, q_heads=12, vocab=50_304, ffn=3072, init_range=0.02)
+_SHAPE_124M = dict(layers=12, hidden=768, q_heads=12, vocab=50_304, ffn=2048, tie_embeddings=True, init_range=0.02)
 
 STUDY_124M: dict[str, ArchConfig] = {
     "mha": ArchConfig("kv", kv_heads=12, head_dim=64, **_SHAPE_124M),
@@ -133,6 +135,10 @@ def step_times(names: list[str], contexts: list[int], batch_sizes: list[int], *,
                      f"stored {row['stored_bytes_per_sequence'] / 2**20:.1f} MiB/seq "
                      f"(audit {row['audit_bytes_per_sequence'] / 2**20:.1f})")
                 rows.append(row)
+            # The study's comparison: how much a step grows with the context (1.0 = flat).
+            first = rows[-len(contexts)]["step_ms_median"]
+            for row in rows[-len(contexts):]:
+                row["step_vs_shortest_context"] = row["step_ms_median"] / first
         del model
     return rows
 

@@ -25,7 +25,8 @@ FAMILIES = ("kv", "cla", "mla", "qk-norm-mla", "path-concat", "path-residual", "
 
 @dataclass(frozen=True)
 class ArchConfig:
-    """A decoder: `layers` blocks of pre-RMSNorm attention + SwiGLU (`ffn` wide), untied embeddings.
+    """A decoder: `layers` blocks of pre-RMSNorm attention + SwiGLU (`ffn` wide), embeddings untied
+    unless `tie_embeddings`.
 
     kv/cla: `kv_heads x head_dim` K/V, shared by groups of `share` layers (kv: share 1).
     path-concat: per path of `share` layers an alpha of `shared_dim`, per layer a delta of
@@ -53,6 +54,7 @@ class ArchConfig:
     nope_dim: int = 0
     v_dim: int = 0
     q_lora_rank: int = 0  # mla: queries through a compressed latent of this width (DeepSeek-V3); 0: none
+    tie_embeddings: bool = False  # the LM head reuses the input embedding (GPT-2-style shapes)
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-6
     init_range: float = 0.2

@@ -77,6 +77,8 @@ class ArchLM(LayoutLM):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def set_absorb(self, absorb: bool) -> None:
         """Absorbed (latent) or materialised keys/values in every MLA layer."""

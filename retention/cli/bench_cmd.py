@@ -46,7 +46,8 @@ _LAYOUT_ONLY = {"layouts", "steps"}
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None, help="Calibration stats for triattention/alpha.")
 @click.option("--lambda", "lam", type=click.FloatRange(min=0, max=1e6), default=None,
               help="alpha/rkv redundancy weight.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
+              help="With --layouts the default is bfloat16 (the study's).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1, max=1024), default=None,
               help="torch CPU threads, at most the CPU count (default: torch's choice).")
@@ -133,6 +134,8 @@ def _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, t
     if not ctxs or not sizes:
         raise RetentionError("--context and --batch-sizes need at least one entry")
     device = resolve_device(device)
+    if "dtype" not in given:  # the study's precision, unless asked otherwise
+        dtype = "bfloat16"
     _check_out(out)
     _set_threads(threads)
     figures = bench.run_layout_bench(names, ctxs, sizes, steps=steps or bench.DEFAULT_STEPS, dtype=dtype,

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from retention.arch import bench
 from retention.arch.bench import Variant
-from retention.arch.configs import ArchConfig
+from retention.arch.configs import ArchConfig, count_parameters
 from retention.arch.model import build_arch
 from retention.cli import main
 
@@ -57,7 +57,12 @@ def test_absorbed_and_materialised_mla_agree_on_the_prefilled_cache():
 
 def test_study_configs_are_the_124m_shape():
     for cfg in bench.STUDY_124M.values():
-        assert (cfg.layers, cfg.hidden, cfg.q_heads, cfg.vocab, cfg.ffn) == (12, 768, 12, 50_304, 3072)
+        assert (cfg.layers, cfg.hidden, cfg.q_heads, cfg.vocab, cfg.tie_embeddings) == (12, 768, 12, 50_304, True)
+        assert 3 * cfg.hidden * cfg.ffn == 2 * cfg.hidden * 3072  # SwiGLU with GPT-2's MLP parameters
+    # Tied embeddings + 12 x (attention 4 h^2, SwiGLU 3 h f, two norms) + the final norm: 123.6M, the
+    # 124M class (GPT-2 small's 124.4M includes learned position embeddings, which RoPE replaces).
+    h = 768
+    assert count_parameters(bench.STUDY_124M["mha"]) == 50_304 * h + 12 * (4 * h * h + 3 * h * 2048 + 2 * h) + h
     assert [bench.STUDY_124M[n].kv_heads for n in ("mha", "gqa", "mqa")] == [12, 4, 1]
     mla = bench.STUDY_124M["mla"]
     assert (mla.latent_dim, mla.rope_dim, mla.nope_dim, mla.v_dim) == (256, 16, 64, 64)
