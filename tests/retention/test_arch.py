@@ -187,3 +187,10 @@ def test_h2o_mass_is_every_query_head_of_every_layer_in_the_group(name):
     for g, members in enumerate(cache.groups):
         assert scorer._mass[g].shape == (1, cache.layout.kv_heads, 11)
         assert abs(float(scorer._mass[g].sum()) - len(members) * model.config.q_heads * 11) < 1e-9
+
+
+def test_tied_embeddings_share_one_matrix():
+    tied = ArchConfig("kv", tie_embeddings=True)
+    model = build_arch(tied)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert count_parameters(tied) == count_parameters(ArchConfig("kv")) - tied.vocab * tied.hidden
