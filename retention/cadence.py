@@ -93,7 +93,7 @@ class Cadence:
         if self.nominal < floor:
             fits = largest_interval(self.budget, self.accounting, floor)
             hint = (f"the largest --interval that works here is {fits}" if fits
-                    else "no interval works at this budget; use a larger --budget")
+                    else "no interval works at this budget; use a larger --budget (or --budget-bytes)")
             raise RetentionError(
                 f"budget {self.budget} with interval {self.interval} in '{self.accounting}' accounting leaves "
                 f"b = {self.nominal} tokens after a compaction, below the {floor} needed by sink {self.sink} + "
