@@ -321,7 +321,8 @@ class QKNormMLAttention(MLAttention):
 class PathMLAttention(nn.Module):
     """Cross-layer path on MLA: the path's first layer writes one latent (from its own input); each
     layer writes a K delta (its decoupled RoPE key) and a V delta. Per head
-    `k = [W_uk c ; rope(k_delta)]`, `v = [W_uv c ; v_delta]` (materialised)."""
+    `k = [W_uk c ; rope(k_delta)]`, `v = [W_uv c ; v_delta]` (materialised). As in MLA, the content
+    parts are RMS-normalised before they are cached (the latent and the V delta), the RoPE key is not."""
 
     def __init__(self, cfg, layer: int):
         super().__init__()
@@ -335,6 +336,7 @@ class PathMLAttention(nn.Module):
             self.kv_a_layernorm = RMSNorm(cfg.latent_dim, cfg.norm_eps)
         self.k_delta_proj = _linear(cfg.hidden, cfg.rope_dim)
         self.v_delta_proj = _linear(cfg.hidden, cfg.layer_dim)
+        self.v_delta_layernorm = RMSNorm(cfg.layer_dim, cfg.norm_eps)
         self.kv_b_proj = _linear(cfg.latent_dim, h * (cfg.nope_dim + cfg.v_dim))
         self.o_proj = _linear(h * (cfg.v_dim + cfg.layer_dim), cfg.hidden)
 
@@ -344,7 +346,7 @@ class PathMLAttention(nn.Module):
             cache.append(f"P{self.path}.c_kv", self.kv_a_layernorm(self.kv_a_proj(x))[:, None])
         ckv = cache.read(f"P{self.path}.c_kv")[:, 0]
         kr = cache.append(f"L{self.layer}.delta.k", rope(self.k_delta_proj(x)[:, None], pos, c.rope_theta))
-        dv = cache.append(f"L{self.layer}.delta.v", self.v_delta_proj(x)[:, None])
+        dv = cache.append(f"L{self.layer}.delta.v", self.v_delta_layernorm(self.v_delta_proj(x))[:, None])
         kv = torch.einsum("bnc,hec->bhne", ckv, self.kv_b_proj.weight.view(h, c.nope_dim + c.v_dim, c.latent_dim))
         k = torch.cat([kv[..., : c.nope_dim], kr.expand(-1, h, -1, -1)], -1)
         v = torch.cat([kv[..., c.nope_dim :], dv.expand(-1, h, -1, -1)], -1)

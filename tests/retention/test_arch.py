@@ -81,15 +81,24 @@ def test_mla_equals_transformers_deepseek(version, q_lora_rank):
 
 @pytest.mark.parametrize("name", list(DOCUMENTED_CONFIGS))
 def test_documented_parameter_counts(name):
-    counted = count_parameters(DOCUMENTED_CONFIGS[name])
-    if name == "path-mla":
-        # The documents do not state its projection structure: reported, not fitted (see PARAMETER_NOTES).
-        assert counted != DOCUMENTED_PARAMETERS[name]
-    else:
-        assert counted == DOCUMENTED_PARAMETERS[name]
+    assert count_parameters(DOCUMENTED_CONFIGS[name]) == DOCUMENTED_PARAMETERS[name]
 
 
-@pytest.mark.parametrize("name", [n for n in DOCUMENTED_CONFIGS if n != "path-mla"])
+def test_path_mla_width_is_the_one_integer_that_matches_mla():
+    """Path-on-MLA's SwiGLU width is derived (PARAMETER_NOTES): the width at which its total equals
+    MLA's, an integer only with the V delta normalised."""
+    from dataclasses import replace
+
+    cfg = DOCUMENTED_CONFIGS["path-mla"]
+    per_unit = 3 * cfg.hidden * cfg.layers  # parameters per unit of SwiGLU width
+    without_ffn = count_parameters(replace(cfg, ffn=1)) - per_unit
+    width, rest = divmod(DOCUMENTED_PARAMETERS["mla"] - without_ffn, per_unit)
+    assert (width, rest) == (cfg.ffn, 0) == (1792, 0)
+    v_delta_norms = cfg.layers * cfg.layer_dim
+    assert (DOCUMENTED_PARAMETERS["mla"] - (without_ffn - v_delta_norms)) % per_unit != 0
+
+
+@pytest.mark.parametrize("name", list(DOCUMENTED_CONFIGS))
 def test_documented_configs_store_the_documented_layout(name):
     from retention.layouts import DOCUMENTED
 
