@@ -73,8 +73,8 @@ def audit_command(targets, dtype, context, batch, per_layer, as_json):
         params = f"{r['parameters']:,}" if "parameters" in r else "-"
         click.echo(f"{r['name']:<20} {r['formula']:<28} {r['elements_per_token']:>9,} {r['bytes_per_token']:>9,} "
                    f"{r['cache_gb']:>18.2f} {params:>12}")
-        if "parameters_documented" in r and r["parameters_documented"] != r.get("parameters"):
-            click.echo(f"{'':<20}   documented {r['parameters_documented']:,} parameters: {r['parameters_note']}")
+        if "parameters_note" in r:
+            click.echo(f"{'':<20}   documented {r['parameters_documented']:,} parameters; {r['parameters_note']}")
         if per_layer:
             click.echo(f"{'':<20}   per layer: {r['layer_elements']}; sharing groups: {r['sharing_groups']}")
 
