@@ -2,9 +2,10 @@
 MLA: `retention.arch.deepseek`): sampled decoding under retention.
 
 The same contract as `retention.engine.run_engine` (requests in, one `Generation` per request to
-`on_finish`, the same `BudgetMeter` and `Fidelity` records), one sequence at a time: these models
-are small references for comparing cache layouts, where batching would only add padding logic to a
-cache whose rows share one position tensor per sharing group.
+`on_finish`, the same `BudgetMeter` and `Fidelity` records), one sequence at a time. Not batched
+(yet): rows of different lengths in a `LayoutCache` would need padded positions per sharing group
+and per-row compaction, which the batched engine (`retention.engine`) has for transformers' caches
+only.
 
 Per sequence: the prompt is prefilled in one forward (the meter's `prefill_tokens`), then each step
 forwards the last sampled token at its absolute position; the meter records the tokens stored per
