@@ -363,9 +363,9 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                                         refresh=False)
                     bar.refresh()
 
-            if is_arch_model(loaded.model):  # a reference layout model: its own cache, one sequence at a time
+            if is_arch_model(loaded.model):  # the reference modules: their own cache and batched loop
                 run_arch(loaded.model, reqs, arm.scorer, arm.scorer_params, arm.cadence, cfg, eos, kib,
-                         fidelity=fidelity, on_finish=on_finish)
+                         batch_size=batch_size, fidelity=fidelity, on_finish=on_finish)
                 continue
             policy = RetentionPolicy(make_scorer(arm.scorer, **arm.scorer_params), arm.cadence)
             run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,

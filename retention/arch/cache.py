@@ -7,6 +7,10 @@ Every store of a sharing group holds the same tokens in the same order, with one
 `[B, G, n]` per group: a compaction gathers all of the group's stores with the group's kept
 indices, so a token a sharing layer evicted is gone for every layer that reads it.
 
+Rows (sequences of a batch) hold different numbers of tokens: a row's unused slots are padding, at
+position `PAD`, later than every query, so the causal mask hides them (their values are finite
+zeros or stale copies). `row_lengths` counts each row's real tokens, `real_slots` finds them.
+
 Memory: each store is a preallocated buffer `[B, h, capacity, d]` written in place (a decode step
 copies only its new token, not the whole cache), grown by doubling when full. A compaction gathers
 the kept tokens into a new buffer of `max(capacity, kept)` tokens, so the memory of evicted tokens
@@ -19,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from retention.layouts import CacheLayout
+
+PAD = 2**62  # the position of a padding slot: after every query, so never attended to
 
 
 class LayoutCache:
@@ -47,7 +53,7 @@ class LayoutCache:
         self.scratch = {}
         g = self.layout.kv_heads
         new = position_ids[:, None, :].expand(-1, g, -1)
-        self.positions = [new if p is None else torch.cat([p, new], -1) for p in self.positions]
+        self.positions = [new.clone() if p is None else torch.cat([p, new], -1) for p in self.positions]
 
     def _buffer(self, name: str, like: torch.Tensor, tokens: int) -> torch.Tensor:
         """A new buffer for `tokens` tokens of store `name` (at least `capacity`), shaped like `like`."""
@@ -94,12 +100,62 @@ class LayoutCache:
         return self.positions[self.group_of_layer[layer]]
 
     def stored_lengths(self) -> list[int]:
-        """Stored tokens per layer (the length of its sharing group)."""
+        """Stored slots per layer (its sharing group's; padding included when rows differ)."""
         return [int(self.layer_positions(i).shape[-1]) if self.positions[0] is not None else 0
                 for i in range(self.layout.layers)]
 
-    def compact(self, keep: list[torch.Tensor]) -> None:
-        """Keep, in sharing group `g`, only the tokens at indices `keep[g]` `[B, G, k]` (ascending)."""
+    def row_lengths(self) -> list[int]:
+        """Real (not padding) tokens per row: the same in every sharing group and eviction head."""
+        return [] if self.positions[0] is None else (self.positions[0][:, 0] != PAD).sum(-1).tolist()
+
+    def real_slots(self, g: int, r: int) -> torch.Tensor:
+        """Slots `[G, m]` (ascending) of row `r`'s real tokens in sharing group `g`."""
+        real = self.positions[g][r] != PAD  # [G, n]
+        return real.nonzero()[:, 1].view(real.shape[0], -1)
+
+    def extend(self, n: int) -> None:
+        """Pad every store and group to at least `n` slots."""
+        short = n - self.positions[0].shape[-1]
+        if short <= 0:
+            return
+        for name, x in list(self.tensors.items()):
+            self.append(name, x.new_zeros(x.shape[0], x.shape[1], short, x.shape[3]))
+        self.positions = [torch.cat([p, p.new_full((*p.shape[:2], short), PAD)], -1) for p in self.positions]
+
+    def load_row(self, r: int, other: LayoutCache) -> None:
+        """Put `other`'s one row (a sequence prefilled alone) in row `r`, padded to this cache's slots."""
+        m = other.positions[0].shape[-1]
+        self.extend(m)
+        for name, x in self.tensors.items():
+            x[r, :, :m] = other.tensors[name][0]
+            x[r, :, m:] = 0
+        for p, q in zip(self.positions, other.positions, strict=True):
+            p[r, :, :m] = q[0]
+            p[r, :, m:] = PAD
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (finished sequences leave the batch)."""
+        idx = torch.tensor(rows, device=self.positions[0].device)
+        self.tensors = {k: v.index_select(0, idx) for k, v in self.tensors.items()}
+        self._buffers = {}  # the next append reallocates
+        self.positions = [p.index_select(0, idx) for p in self.positions]
+
+    @staticmethod
+    def stack(caches: list[LayoutCache], capacity: int = 0) -> LayoutCache:
+        """One cache whose rows are the one-row `caches`, each padded to the longest."""
+        first = caches[0]
+        out = LayoutCache(first.layout, capacity)
+        n = max(c.positions[0].shape[-1] for c in caches)
+        for name, x in first.tensors.items():
+            out.append(name, x.new_zeros(len(caches), x.shape[1], n, x.shape[3]))
+        out.positions = [p.new_full((len(caches), p.shape[1], n), PAD) for p in first.positions]
+        for r, c in enumerate(caches):
+            out.load_row(r, c)
+        return out
+
+    def compact(self, keep: list[torch.Tensor], pad: list[torch.Tensor] | None = None) -> None:
+        """Keep, in sharing group `g`, only the tokens at indices `keep[g]` `[B, G, k]` (ascending);
+        where `pad[g]` `[B, G, k]` is True the kept slot becomes padding (a row keeping fewer than k)."""
         for name, x in self.tensors.items():
             idx = keep[self.group_of_store[name]]
             if idx.shape[1] != x.shape[1]:
@@ -110,6 +166,8 @@ class LayoutCache:
             buf[:, :, :kept.shape[2]] = kept
             self.tensors[name] = buf[:, :, :kept.shape[2]]
         self.positions = [torch.gather(p, 2, k) for p, k in zip(self.positions, keep, strict=True)]
+        if pad is not None:
+            self.positions = [p.masked_fill(m, PAD) for p, m in zip(self.positions, pad, strict=True)]
 
     def nbytes(self) -> int:
         """Bytes of every stored token's tensors (positions, bookkeeping and free buffer space excluded)."""

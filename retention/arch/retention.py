@@ -81,19 +81,26 @@ def check_run_scorers(model_kind: str, layout, names: list[str]) -> None:
 
 @dataclass
 class GroupScorer:
-    """Scores and kept sets per sharing group from what the cache observed (one sequence's state).
+    """Scores and kept sets per sharing group from what the cache observed, for every row of a batch.
 
     window: h2o's recent part (None: the even split) or snapkv's query window (None: 8);
-    kernel: snapkv's pooling width (odd).
+    kernel: snapkv's pooling width (odd); seed: the random scorer's seed of a one-row scorer (a
+    batch's rows keep the generators of the one-row scorers they were stacked or loaded from).
+
+    State per group `g`, row-aligned with the cache's slots: h2o's accumulated mass `[B, G, n]`;
+    snapkv's last `w` forwards' probabilities `[B, w, G, n]` (newest last) with `_count` `[B]`
+    of them recorded per row. A kept set is chosen per row on its real tokens alone (`keep_row`),
+    so it does not depend on the padding or the other rows of the batch.
     """
 
     name: str
     seed: int = 0
     window: int | None = None
     kernel: int = 7
-    _gen: torch.Generator | None = field(default=None, init=False, repr=False)
+    _gens: list = field(default_factory=list, init=False, repr=False)  # per row: torch.Generator or None
     _mass: list = field(default_factory=list, init=False, repr=False)  # S x [B, G, n]
-    _recent: list = field(default_factory=list, init=False, repr=False)  # S x list of [B, G, n]
+    _window: list = field(default_factory=list, init=False, repr=False)  # S x [B, w, G, n]
+    _count: torch.Tensor | None = field(default=None, init=False, repr=False)  # [B]
 
     def __post_init__(self):
         if self.name in REFUSED:
@@ -110,6 +117,7 @@ class GroupScorer:
             raise RetentionError(f"--window must be a positive number of tokens, got {self.window}")
         if self.kernel <= 0 or self.kernel % 2 == 0:
             raise RetentionError(f"the pooling kernel must be a positive odd number, got {self.kernel}")
+        self._gens = [torch.Generator().manual_seed(self.seed) if self.name == "random" else None]
 
     @property
     def evicts(self) -> bool:
@@ -121,9 +129,12 @@ class GroupScorer:
         return (self.window or 0) if self.name in ("h2o", "snapkv") else 0
 
     def attach(self, cache: LayoutCache) -> None:
-        """Start observing the cache's attention (h2o, snapkv)."""
-        self._mass = [None] * len(cache.groups)
-        self._recent = [[] for _ in cache.groups]
+        """Observe `cache`'s attention from now on (h2o, snapkv), starting from empty state."""
+        self._mass, self._window, self._count = [None] * len(cache.groups), [None] * len(cache.groups), None
+        self.observe(cache)
+
+    def observe(self, cache: LayoutCache) -> None:
+        """Route `cache`'s attention probabilities to this scorer, keeping the state it has."""
         if self.name not in ("h2o", "snapkv"):
             return
         pending: dict[int, torch.Tensor] = {}
@@ -138,57 +149,127 @@ class GroupScorer:
         cache.observer = observer
 
     def _take(self, g: int, probs: torch.Tensor) -> None:
-        n = probs.shape[-1]
+        b, heads, q, n = probs.shape
         if self.name == "h2o":
             acc = self._mass[g]
-            acc = probs.new_zeros(probs.shape[:2] + (0,)) if acc is None else acc
+            acc = probs.new_zeros(b, heads, 0) if acc is None else acc
             self._mass[g] = F.pad(acc, (0, n - acc.shape[-1])) + probs.sum(2)
-        else:
-            rows = [F.pad(r, (0, n - r.shape[-1])) for r in self._recent[g]] + list(probs.unbind(2))
-            self._recent[g] = rows[-self.window :]
+            return
+        w = self.window
+        win = self._window[g]
+        win = probs.new_zeros(b, w, heads, n) if win is None else F.pad(win, (0, n - win.shape[-1]))
+        self._window[g] = torch.cat([win, probs[:, :, -w:].transpose(1, 2)], 1)[:, -w:]
+        if g == 0:  # one count per forward, whatever the number of groups
+            count = torch.zeros(b, dtype=torch.long) if self._count is None else self._count
+            self._count = (count + min(q, w)).clamp(max=w)
 
-    def keep(self, g: int, positions: torch.Tensor, protected: torch.Tensor, k: int,
-             next_position: int) -> torch.Tensor:
-        """Indices `[B, G, k]` (ascending) that sharing group `g` keeps of its stored `positions`
-        `[B, G, n]`; `protected` `[B, G, n]` bool is always kept."""
+    def _window_mean(self, g: int) -> torch.Tensor:
+        """`[B, G, n]`: the mean of each row's recorded window probabilities."""
+        win, count = self._window[g], self._count.to(self._window[g].device)
+        valid = torch.arange(self.window, device=win.device)[None] >= self.window - count[:, None]  # [B, w]
+        return (win * valid[:, :, None, None]).sum(1) / count[:, None, None]
+
+    def keep_row(self, g: int, r: int, slots: torch.Tensor, positions: torch.Tensor, protected: torch.Tensor,
+                 k: int, next_position: int) -> torch.Tensor:
+        """Slots `[G, k]` (ascending) that row `r` keeps in sharing group `g`, chosen among its real
+        tokens at `slots` `[G, m]` with their `positions` and `protected` mask `[G, m]`."""
+        pos, prot = positions[None], protected[None]  # [1, G, m]: the row alone, as at batch size 1
         if self.name == "random":
-            if self._gen is None:
-                self._gen = torch.Generator().manual_seed(self.seed)
-            return topk_keep(torch.rand(positions.shape, generator=self._gen).to(positions.device), protected, k)
-        if self.name == "streaming":
-            return topk_keep(positions.float(), protected, k)
-        if self.name == "h2o":
+            best = topk_keep(torch.rand(pos.shape, generator=self._gens[r]).to(pos.device), prot, k)
+        elif self.name == "streaming":
+            best = topk_keep(pos.float(), prot, k)
+        elif self.name == "h2o":
+            mass = self._mass[g][r].gather(-1, slots)[None]
             if self.window is None:
-                valid = torch.ones_like(protected)
-                return heavy_recent_keep(self._mass[g], valid, protected, *split_budget(k))
-            return topk_keep(self._mass[g].float(), protected, k)
-        n = positions.shape[-1]
-        mean = torch.stack([F.pad(r, (0, n - r.shape[-1])) for r in self._recent[g]]).mean(0)
-        candidates = positions < next_position - self.window
-        return topk_keep(pool_candidates(mean, candidates, self.kernel), protected, k)
+                best = heavy_recent_keep(mass, torch.ones_like(prot), prot, *split_budget(k))
+            else:
+                best = topk_keep(mass.float(), prot, k)
+        else:
+            mean = self._window_mean(g)[r].gather(-1, slots)[None]
+            candidates = pos < next_position - self.window
+            best = topk_keep(pool_candidates(mean, candidates, self.kernel), prot, k)
+        return slots.gather(-1, best[0])
 
-    def compacted(self, g: int, keep: torch.Tensor, n: int) -> None:
-        """Follow group `g`'s compaction from `n` stored tokens to the indices `keep` `[B, G, k]`."""
-        if self.name == "h2o":
-            self._mass[g] = torch.gather(self._mass[g], 2, keep)
-        elif self.name == "snapkv":
-            self._recent[g] = [torch.gather(F.pad(r, (0, n - r.shape[-1])), 2, keep) for r in self._recent[g]]
+    def compacted(self, keep: list[torch.Tensor], pad: list[torch.Tensor]) -> None:
+        """Follow a compaction to slots `keep[g]` `[B, G, k]` (padding where `pad[g]`)."""
+        for g, (idx, empty) in enumerate(zip(keep, pad, strict=True)):
+            if self.name == "h2o":
+                self._mass[g] = torch.gather(self._mass[g], 2, idx).masked_fill(empty, 0.0)
+            elif self.name == "snapkv":
+                w = self.window
+                self._window[g] = torch.gather(self._window[g], 3, idx[:, None].expand(-1, w, -1, -1)) \
+                    .masked_fill(empty[:, None], 0.0)
+
+    def pad_to(self, n: int) -> None:
+        """Zero state for slots up to `n` (the cache was extended)."""
+        self._mass = [None if m is None else F.pad(m, (0, n - m.shape[-1])) for m in self._mass]
+        self._window = [None if w is None else F.pad(w, (0, n - w.shape[-1])) for w in self._window]
+
+    def load_row(self, r: int, other: GroupScorer, n: int) -> None:
+        """Row `r` takes `other`'s one-row state (a sequence prefilled alone), for `n` slots."""
+        self.pad_to(n)
+        self._gens[r] = other._gens[0]
+        for g in range(len(self._mass)):
+            if self._mass[g] is not None:
+                m = other._mass[g].shape[-1]
+                self._mass[g][r] = F.pad(other._mass[g][0], (0, n - m))
+            if self._window[g] is not None:
+                m = other._window[g].shape[-1]
+                self._window[g][r] = F.pad(other._window[g][0], (0, n - m))
+        if self._count is not None:
+            self._count[r] = other._count[0]
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only these rows' state, in this order."""
+        idx = torch.tensor(rows)
+        self._gens = [self._gens[r] for r in rows]
+        self._mass = [None if m is None else m.index_select(0, idx.to(m.device)) for m in self._mass]
+        self._window = [None if w is None else w.index_select(0, idx.to(w.device)) for w in self._window]
+        if self._count is not None:
+            self._count = self._count.index_select(0, idx)
+
+    @staticmethod
+    def stack(scorers: list[GroupScorer], n: int) -> GroupScorer:
+        """One scorer whose rows are the one-row `scorers`' state, for `n` slots."""
+        first = scorers[0]
+        out = GroupScorer(first.name, first.seed, first.window, first.kernel)
+        out._gens = [s._gens[0] for s in scorers]
+
+        def stacked(states):
+            return None if states[0] is None else torch.cat([F.pad(x, (0, n - x.shape[-1])) for x in states])
+
+        out._mass = [stacked([s._mass[g] for s in scorers]) for g in range(len(first._mass))]
+        out._window = [stacked([s._window[g] for s in scorers]) for g in range(len(first._window))]
+        out._count = None if first._count is None else torch.cat([s._count for s in scorers])
+        return out
 
 
-def compact(cache: LayoutCache, scorer: GroupScorer, cadence: Cadence, next_position: int,
-            prompt_length: int = 0) -> None:
-    """One compaction: per sharing group, keep `cadence.keep(prompt_length)` tokens (sinks, the
-    recent window and, with `protect_prompt`, the prompt protected)."""
-    keep, lengths = [], [p.shape[-1] for p in cache.positions]
-    k = cadence.keep(prompt_length)
+def compact(cache: LayoutCache, scorer: GroupScorer, cadence: Cadence, rows: list[int],
+            next_positions: list[int], prompt_lengths: list[int]) -> None:
+    """One compaction of the due `rows` (per row: the absolute position of its next query and its
+    prompt length): per sharing group, each keeps `cadence.keep(prompt_length)` tokens (sinks, the
+    recent window and, with `protect_prompt`, the prompt protected). Every other row keeps all its
+    real tokens: the compaction also drops the padding of the batch."""
+    due = set(rows)
+    keep, pad = [], []
     for g, positions in enumerate(cache.positions):
-        protected = (positions < cadence.sink) | (positions >= next_position - cadence.recent)
-        if cadence.protect_prompt:
-            protected |= positions < prompt_length
-        keep.append(scorer.keep(g, positions, protected, k, next_position))
-    cache.compact(keep)
-    for g, idx in enumerate(keep):
-        scorer.compacted(g, idx, lengths[g])
+        kept = []
+        for r in range(positions.shape[0]):
+            slots = cache.real_slots(g, r)
+            if r in due:
+                pos = positions[r].gather(-1, slots)
+                protected = (pos < cadence.sink) | (pos >= next_positions[r] - cadence.recent)
+                if cadence.protect_prompt:
+                    protected |= pos < prompt_lengths[r]
+                slots = scorer.keep_row(g, r, slots, pos, protected, cadence.keep(prompt_lengths[r]),
+                                        next_positions[r])
+            kept.append(slots)
+        k = max(s.shape[-1] for s in kept)
+        keep.append(torch.stack([F.pad(s, (0, k - s.shape[-1])) for s in kept]))
+        width = torch.tensor([s.shape[-1] for s in kept], device=positions.device)
+        pad.append((torch.arange(k, device=positions.device)[None] >= width[:, None])[:, None].expand_as(keep[-1]))
+    cache.compact(keep, pad)
+    scorer.compacted(keep, pad)
 
 
 @dataclass
@@ -220,7 +301,7 @@ def decode(model: ArchLM, token_ids: list[int], prompt_length: int, scorer: str 
         pos = torch.arange(start, end)[None]
         logits.append(model(ids[:, start:end], pos, cache, logits_to_keep=1).logits[0, -1])
         if cadence.evicts and cadence.due(max(cache.stored_lengths()), prefill=start == 0):
-            compact(cache, group_scorer, cadence, end, prompt_length)
+            compact(cache, group_scorer, cadence, [0], [end], [prompt_length])
             compactions += 1
         stored.append(max(cache.stored_lengths()))
         stored_bytes.append(cache.nbytes())

@@ -264,14 +264,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     for name, config, params, cadence in arm_specs:
         config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
-    from retention.arch.model import is_arch_model
-
-    if is_arch_model(loaded.model):  # decoded by retention.arch.generate
-        if batch_size not in (None, 1):
-            click.echo(f"note: reference layout models decode one sequence at a time; --batch-size {batch_size} "
-                       "does not apply", err=True)
-        batch_size = 1
-    elif batch_size is None:
+    if batch_size is None:
         batch_size = min(auto_batch_size(loaded, a.cadence, sampling["max_new_tokens"]) for a in arms)
         click.echo(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", err=True)
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
