@@ -59,6 +59,9 @@ def test_logits_equal_transformers_with_moe_and_yarn(version, q_lora_rank, rope,
             got.append(ref(torch.tensor([[TOKENS[i]]]), torch.tensor([[i]]), cache).logits[0, -1])
     assert (torch.stack(got) - want[9:]).abs().max() < 1e-5 and want.std() > 0.1
     assert cache.nbytes() == len(TOKENS) * ref.new_cache().layout.bytes_per_token
+    from retention.layouts import layout_from_config  # what the meter of a run of this checkpoint uses
+
+    assert layout_from_config(hf.config, torch.float32).bytes_per_token == ref.new_cache().layout.bytes_per_token
 
 
 def test_every_weight_is_the_checkpoints():
