@@ -5,6 +5,7 @@ tokens `n`.
 
 A kept set is chosen per sharing group (the layers that read a common store), so a token is kept
 or dropped for every layer that reads it; on an MLA latent it is kept or dropped whole (`G = 1`).
+In a batch it is chosen per row, on that row's real tokens (padding slots are never candidates).
 Scores per group `[B, G, n]`, with the harness's parameters and selection rules:
 
 * `full`: never evicts. `random`: uniform, seeded by the sequence's seed. `streaming`: position.
@@ -254,6 +255,8 @@ def compact(cache: LayoutCache, scorer: GroupScorer, cadence: Cadence, rows: lis
     keep, pad = [], []
     for g, positions in enumerate(cache.positions):
         kept = []
+        # Row by row (only at a compaction): each due row is scored on its own real tokens, with the
+        # shapes it would have alone, which is what makes its kept set independent of the batch.
         for r in range(positions.shape[0]):
             slots = cache.real_slots(g, r)
             if r in due:
