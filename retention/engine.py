@@ -121,7 +121,10 @@ class EngineStats:
 
 
 @dataclass
-class _Slot:
+class SequenceState:
+    """One sequence in flight: its request, meter, sampler, fidelity record, tokens and timings
+    (also the row state of `retention.arch.generate`)."""
+
     req: Request
     meter: BudgetMeter
     gen: torch.Generator | None
@@ -229,7 +232,7 @@ class Engine:
         self.queue = list(requests)[::-1]  # pop() from the end = first request first
         self.S = max(1, min(batch_size, len(self.queue)))
         self.stats = EngineStats(busy=self.S)
-        self.rows: list[_Slot] = []
+        self.rows: list[SequenceState] = []
         self.cache: RetentionCache | None = None
         self.ref: RetentionCache | None = None
         self.gens: list[torch.Generator | None] = [None] * self.S  # one per slot, reseeded per request
@@ -249,7 +252,7 @@ class Engine:
         policy.scorer.reset_slot(slot, req.seed)
         if sampling.temperature > 0:
             self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
-        st = _Slot(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget), self.gens[slot],
+        st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget), self.gens[slot],
                    Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None)
         tmp = RetentionCache(self.L, capacity=P)
         tmp.slots, tmp.prompt_lengths = [slot], [P]
@@ -270,7 +273,7 @@ class Engine:
             self.stats.compaction_seconds += dt
         return st, lg, tmp, tmp_ref
 
-    def _take(self, st: _Slot, tok: int, row_logits: torch.Tensor) -> bool:
+    def _take(self, st: SequenceState, tok: int, row_logits: torch.Tensor) -> bool:
         """Append a sampled token; True when the sequence is finished."""
         if st.logits is not None:
             st.logits.append(row_logits.clone())
@@ -284,7 +287,7 @@ class Engine:
             st.finish = "length"
         return st.finish is not None
 
-    def _finish(self, st: _Slot) -> None:
+    def _finish(self, st: SequenceState) -> None:
         g = Generation(st.out, st.finish, st.meter, _now(self.device) - st.t0, st.fid, st.decode_s, st.compact_s,
                        st.logits)
         self.stats.finished += 1

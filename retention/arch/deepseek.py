@@ -75,7 +75,8 @@ class DeepseekReference(LayoutLM):
     def generation_config(self):
         return self.hf.generation_config
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, logits_to_keep: int = 0) -> ArchOutput:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache,
+                logits_to_keep: int = 0) -> ArchOutput:
         """input_ids, position_ids `[B, q]` (absolute positions) -> logits `[B, q or logits_to_keep, V]`."""
         cache.begin_step(position_ids)
         body = self.hf.model

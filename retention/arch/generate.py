@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,7 +29,15 @@ from retention.arch import retention as arch_retention
 from retention.arch.cache import LayoutCache
 from retention.arch.model import LayoutLM
 from retention.cadence import Cadence
-from retention.engine import Fidelity, Generation, Request, SamplingConfig, sample_next, step_agreement
+from retention.engine import (
+    Fidelity,
+    Generation,
+    Request,
+    SamplingConfig,
+    SequenceState,
+    sample_next,
+    step_agreement,
+)
 from retention.meter import BudgetMeter
 
 # Scorer parameters a layout cache takes (the rest of a harness scorer's are refused by validation).
@@ -44,25 +51,13 @@ def _forward(model: LayoutLM, ids: list[int], start: int, cache) -> torch.Tensor
     return model(torch.tensor([ids], device=dev), pos, cache, logits_to_keep=1).logits[:, -1]
 
 
-@dataclass
-class _Row:
-    req: Request
-    meter: BudgetMeter
-    gen: torch.Generator | None
-    fid: Fidelity | None
-    t0: float
-    out: list[int] = field(default_factory=list)
-    decode_s: list[float] = field(default_factory=list)
-    compact_s: list[float] = field(default_factory=list)
+def _prompt_length(row: SequenceState) -> int:
+    return len(row.req.prompt_ids)
 
-    @property
-    def prompt_length(self) -> int:
-        return len(self.req.prompt_ids)
 
-    @property
-    def next_position(self) -> int:
-        """The absolute position of the token this row feeds next (its last sampled one)."""
-        return self.prompt_length + len(self.out) - 1
+def _next_position(row: SequenceState) -> int:
+    """The absolute position of the token the row feeds next (its last sampled one)."""
+    return len(row.req.prompt_ids) + len(row.out) - 1
 
 
 class ArchEngine:
@@ -78,7 +73,7 @@ class ArchEngine:
         self.evicts = arch_retention.GroupScorer(scorer, **self.scorer_args[1]).evicts and cadence.evicts
         self.queue = list(requests)[::-1]  # pop() from the end = first request first
         self.S = max(1, min(batch_size, len(self.queue)))
-        self.rows: list[_Row] = []
+        self.rows: list[SequenceState] = []
         self.cache = self.ref = self.scorer = None
 
     def _capacity(self, prompt_length: int) -> int:
@@ -93,7 +88,7 @@ class ArchEngine:
         gen = None
         if self.sampling.temperature > 0:
             gen = torch.Generator(device=self.model.device).manual_seed(req.seed)
-        row = _Row(req, BudgetMeter(kib_per_token=self.kib, budget=self.cadence.budget), gen,
+        row = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=self.cadence.budget), gen,
                    Fidelity() if self.fidelity else None, time.perf_counter())
         name, params = self.scorer_args
         scorer = arch_retention.GroupScorer(name, seed=req.seed, **params)
@@ -112,12 +107,12 @@ class ArchEngine:
             row.meter.note_compaction(cache.row_lengths())
         return row, logits, cache, scorer, ref
 
-    def _take(self, row: _Row, tok: int) -> bool:
+    def _take(self, row: SequenceState, tok: int) -> bool:
         """Append a sampled token; True when the sequence is finished."""
         row.out.append(tok)
         return (tok in self.eos and not self.sampling.ignore_eos) or len(row.out) >= self.sampling.max_new_tokens
 
-    def _finish(self, row: _Row) -> None:
+    def _finish(self, row: SequenceState) -> None:
         tok = row.out[-1]
         reason = "eos" if tok in self.eos and not self.sampling.ignore_eos else "length"
         g = Generation(row.out, reason, row.meter, time.perf_counter() - row.t0, row.fid, row.decode_s, row.compact_s)
@@ -139,19 +134,19 @@ class ArchEngine:
         if not started:
             return
         self.rows = [row for row, *_ in started]
-        cap = max(self._capacity(row.prompt_length) for row in self.rows)
+        cap = max(self._capacity(_prompt_length(row)) for row in self.rows)
         self.cache = LayoutCache.stack([c for _, c, _, _ in started], cap)
         self.scorer = arch_retention.GroupScorer.stack([s for *_, s, _ in started], self.cache.positions[0].shape[-1])
         self.scorer.observe(self.cache)
         if self.fidelity:
             self.ref = LayoutCache.stack([ref for *_, ref in started],
-                                         max(row.prompt_length for row in self.rows) + self.sampling.max_new_tokens)
+                                         max(_prompt_length(row) for row in self.rows) + self.sampling.max_new_tokens)
 
     def _step(self) -> None:
         """One decode step of every row, the due rows' compaction, sampling, finishes and refills."""
         rows, cache, dev = self.rows, self.cache, self.model.device
         ids = torch.tensor([[row.out[-1]] for row in rows], device=dev)
-        pos = torch.tensor([[row.next_position] for row in rows], device=dev)
+        pos = torch.tensor([[_next_position(row)] for row in rows], device=dev)
         t = time.perf_counter()
         logits = self.model(ids, pos, cache, logits_to_keep=1).logits[:, -1]
         dt = time.perf_counter() - t
@@ -165,11 +160,12 @@ class ArchEngine:
             for r, row in enumerate(rows):
                 row.fid.kl.append(kl[r])
                 row.fid.top1_agree.append(agree[r])
-        nxt = [row.next_position + 1 for row in rows]
-        due = [r for r, row in enumerate(rows) if self.evicts and self.cadence.due(lengths[r], False, row.prompt_length)]
+        nxt = [_next_position(row) + 1 for row in rows]
+        due = [r for r, row in enumerate(rows)
+               if self.evicts and self.cadence.due(lengths[r], False, _prompt_length(row))]
         if due:
             t = time.perf_counter()
-            arch_retention.compact(cache, self.scorer, self.cadence, due, nxt, [row.prompt_length for row in rows])
+            arch_retention.compact(cache, self.scorer, self.cadence, due, nxt, [_prompt_length(row) for row in rows])
             dt = time.perf_counter() - t
             lengths = cache.row_lengths()
             for r in due:
