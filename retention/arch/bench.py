@@ -71,7 +71,7 @@ def prefilled_cache(model: ArchLM, context: int, batch: int, device):
     values and only cost a prefill forward (minutes at 8k on a CPU): what a decode step costs
     depends on the shapes it reads, not on the values."""
     cache = model.new_cache(capacity=context + 1)  # room for the decode step's token: written in place
-    dtype = model.lm_head.weight.dtype
+    dtype = model.dtype
     g = cache.layout.kv_heads
     cache.positions = [torch.arange(context, device=device).expand(batch, g, -1) for _ in cache.groups]
     for s in cache.layout.stores:
@@ -82,7 +82,7 @@ def prefilled_cache(model: ArchLM, context: int, batch: int, device):
 def decode_step(model: ArchLM, cache, batch: int) -> torch.Tensor:
     """One decode forward of token 0 at position `n` for every sequence -> logits `[B, 1, V]`."""
     n = int(cache.positions[0].shape[-1])
-    device = model.lm_head.weight.device
+    device = model.device
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
     pos = torch.full((batch, 1), n, dtype=torch.long, device=device)
     with torch.no_grad():
@@ -100,7 +100,7 @@ def time_point(model: ArchLM, context: int, batch: int, steps: int, warmup: int 
     Every step starts from the same pre-filled context (its append would otherwise grow it by one
     per step): `LayoutCache.truncate` rewinds the step's token, which the next step overwrites in
     the preallocated buffers. Bytes are measured from the pre-filled tensors (`nbytes`)."""
-    device = model.lm_head.weight.device
+    device = model.device
     cache = prefilled_cache(model, context, batch, device)
     stored = cache.nbytes()
     times = []

@@ -33,9 +33,9 @@ class ArchConfig:
     `layer_dim` per head (head dim = shared_dim + layer_dim). path-residual: the path's first layer
     `head_dim`, later layers a `layer_dim` delta expanded per head to `head_dim`.
     mla / qk-norm-mla: latent `latent_dim`, RoPE key `rope_dim`, per head `nope_dim` content key
-    and `v_dim` value (mla: queries optionally through a `q_lora_rank` latent); qk-norm-mla normalises keys per `kv_heads` groups. path-mla: one
-    `latent_dim` latent per path, per layer a `rope_dim` K delta (its RoPE key) and a `layer_dim`
-    V delta.
+    and `v_dim` value (mla: queries optionally through a `q_lora_rank` latent); qk-norm-mla
+    normalises keys per `kv_heads` groups. path-mla: one `latent_dim` latent per path, per layer a
+    `rope_dim` K delta (its RoPE key) and a `layer_dim` V delta.
     """
 
     family: str

@@ -89,7 +89,7 @@ class ArchEngine:
         if self.sampling.temperature > 0:
             gen = torch.Generator(device=self.model.device).manual_seed(req.seed)
         row = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=self.cadence.budget), gen,
-                   Fidelity() if self.fidelity else None, time.perf_counter())
+                            Fidelity() if self.fidelity else None, time.perf_counter())
         name, params = self.scorer_args
         scorer = arch_retention.GroupScorer(name, seed=req.seed, **params)
         cache = self.model.new_cache(self._capacity(P))
@@ -108,14 +108,17 @@ class ArchEngine:
         return row, logits, cache, scorer, ref
 
     def _take(self, row: SequenceState, tok: int) -> bool:
-        """Append a sampled token; True when the sequence is finished."""
+        """Append a sampled token; True when the sequence is finished (its `finish` reason set)."""
         row.out.append(tok)
-        return (tok in self.eos and not self.sampling.ignore_eos) or len(row.out) >= self.sampling.max_new_tokens
+        if tok in self.eos and not self.sampling.ignore_eos:
+            row.finish = "eos"
+        elif len(row.out) >= self.sampling.max_new_tokens:
+            row.finish = "length"
+        return row.finish is not None
 
     def _finish(self, row: SequenceState) -> None:
-        tok = row.out[-1]
-        reason = "eos" if tok in self.eos and not self.sampling.ignore_eos else "length"
-        g = Generation(row.out, reason, row.meter, time.perf_counter() - row.t0, row.fid, row.decode_s, row.compact_s)
+        g = Generation(row.out, row.finish, row.meter, time.perf_counter() - row.t0, row.fid, row.decode_s,
+                       row.compact_s)
         if self.on_finish is not None:
             self.on_finish(row.req, g)
 

@@ -14,6 +14,11 @@ from retention.cli.options import splits_dir_option
 from retention.errors import RetentionError
 
 
+# What `--engine` (and a plan arm's "engine") may name: this project's batched engine, the reference
+# modules for DeepSeek checkpoints, vLLM for non-evicting arms.
+ENGINES = ("hf", "reference", "vllm")
+
+
 def _bounded(name, lo, hi, lo_open=False):
     """A callback refusing values outside [lo, hi] (or (lo, hi]) and non-finite floats (click's
     FloatRange lets nan through: every comparison with it is false)."""
@@ -145,7 +150,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
               help="With --ray: CPUs per shard [default: 1].")
 @click.option("--retries", type=int, default=None, callback=_bounded("--retries", 0, 100),
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records) [default: 3].")
-@click.option("--engine", type=click.Choice(["hf", "reference", "vllm"]), default="hf", show_default=True,
+@click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True,
               help="hf: this project's batched engine (every scorer); reference: a DeepSeek-V2/V3 checkpoint on the "
                    "reference MLA modules (latent-cache h2o and snapkv too); vllm: vLLM's offline API for "
                    "non-evicting arms (full).")
@@ -292,7 +297,6 @@ def _summary_line(run_dir: Path, shard=None) -> str:
 # so that `confirm` can compare what was planned with what ran, key by key.
 _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "interval", "accounting", "sink", "recent", "protect_prompt",
              "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos", "engine"}
-ENGINES = ("hf", "reference", "vllm")
 
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).
