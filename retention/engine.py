@@ -136,6 +136,14 @@ class SequenceState:
     logits: list[torch.Tensor] | None = None
     finish: str | None = None
 
+    def stop(self, tok: int, eos: set[int], sampling: SamplingConfig) -> bool:
+        """After appending `tok`: whether the sequence ends here, and why (`finish`: "eos" or "length")."""
+        if tok in eos and not sampling.ignore_eos:
+            self.finish = "eos"
+        elif len(self.out) >= sampling.max_new_tokens:
+            self.finish = "length"
+        return self.finish is not None
+
 
 class _Clock:
     """Step timings without a host synchronisation: CUDA events on a GPU (read once the step's
@@ -281,11 +289,7 @@ class Engine:
         self.stats.tokens += 1
         if self.on_token is not None:
             self.on_token(len(st.out), st.meter)
-        if tok in self.eos and not self.sampling.ignore_eos:
-            st.finish = "eos"
-        elif len(st.out) >= self.sampling.max_new_tokens:
-            st.finish = "length"
-        return st.finish is not None
+        return st.stop(tok, self.eos, self.sampling)
 
     def _finish(self, st: SequenceState) -> None:
         g = Generation(st.out, st.finish, st.meter, _now(self.device) - st.t0, st.fid, st.decode_s, st.compact_s,

@@ -110,11 +110,7 @@ class ArchEngine:
     def _take(self, row: SequenceState, tok: int) -> bool:
         """Append a sampled token; True when the sequence is finished (its `finish` reason set)."""
         row.out.append(tok)
-        if tok in self.eos and not self.sampling.ignore_eos:
-            row.finish = "eos"
-        elif len(row.out) >= self.sampling.max_new_tokens:
-            row.finish = "length"
-        return row.finish is not None
+        return row.stop(tok, self.eos, self.sampling)
 
     def _finish(self, row: SequenceState) -> None:
         g = Generation(row.out, row.finish, row.meter, time.perf_counter() - row.t0, row.fid, row.decode_s,
