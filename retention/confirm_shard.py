@@ -19,7 +19,7 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, cells=None, ove
                            reason: str | None = None, manifest_hash: str | None = None,
                            log: Callable[[str], None] = print) -> list[Path]:
     from protocol import prereg
-    from retention.cli.run_cmd import confirm_runner
+    from retention.jobs import confirm_runner
 
     plan, h = prereg.load_plan(Path(plan_path))
     current = manifest_hash or prereg._current_manifest_hash()

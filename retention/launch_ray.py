@@ -67,7 +67,7 @@ def _connect(ray, address: str | None) -> None:
 
 def run_shard(job: dict, shard: Shard) -> list[str]:
     """The body of one Ray task: generate one shard (resuming its records). Returns run dirs."""
-    from retention.cli.run_cmd import execute
+    from retention.jobs import execute
 
     return [str(p) for p in execute(**job, shard=shard, progress=False)]
 

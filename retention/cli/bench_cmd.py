@@ -74,7 +74,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     from protocol.splits import load_split
     from retention.bench import REFERENCE_VARIANTS, run_bench
     from retention.cadence import ACCOUNTING_MODES
-    from retention.cli.run_cmd import budget_from_bytes
+    from retention.jobs import budget_from_bytes
     from retention.models import load_model
     from retention.scorers import get_scorer_class
 
@@ -94,7 +94,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
         raise RetentionError(f"--accounting: {', '.join(bad)} is not one of {', '.join(ACCOUNTING_MODES)}")
     if lam is not None and lam != lam:  # click's FloatRange lets nan through
         raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
-    from retention.cli.scorer_options import resolve
+    from retention.scorer_options import resolve
     from retention.policy import cadence_for
     from retention.scorers import make_scorer
 

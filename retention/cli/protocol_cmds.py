@@ -3,7 +3,7 @@
 The work is done in `protocol.stats`, `protocol.prereg` and `protocol.report`, imported inside the
 commands so that `retention --help` stays fast. `confirm` needs a generation runner (see
 `protocol.prereg`'s runner contract); it is taken from `--runner MODULE:FUNCTION`, else from
-`protocol.prereg.DEFAULT_RUNNER`, else from `retention.cli.run_cmd.confirm_runner` when the
+`protocol.prereg.DEFAULT_RUNNER`, else from `retention.jobs.confirm_runner` when the
 runtime provides one.
 """
 
@@ -249,7 +249,7 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     from protocol import prereg
     from protocol.splits import manifest_sha256
 
-    from retention.cli.run_cmd import normalize_arm, validate_plan
+    from retention.arms import normalize_arm, validate_plan
 
     if manifest_hash is not None and not re.fullmatch(r"[0-9a-f]{64}", manifest_hash):
         raise click.ClickException(f"--manifest-hash must be 64 lowercase hex digits, got {manifest_hash!r}")
@@ -296,7 +296,7 @@ def _resolve_runner(spec: str | None):
     if prereg.DEFAULT_RUNNER is not None:
         return prereg.DEFAULT_RUNNER
     try:
-        runner = getattr(importlib.import_module("retention.cli.run_cmd"), "confirm_runner", None)
+        runner = getattr(importlib.import_module("retention.jobs"), "confirm_runner", None)
     except ImportError:
         runner = None
     if runner is None:
@@ -334,7 +334,7 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
 
     from protocol.splits import manifest_sha256
 
-    from retention.cli import run_cmd
+    from retention import arms, jobs
 
     plan, h = prereg.load_plan(plan_path)
     if shard_text is not None:
@@ -347,12 +347,12 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
                                manifest_hash=manifest_hash, log=click.echo)
         return
     runner = _resolve_runner(runner_spec)
-    if runner is getattr(run_cmd, "confirm_runner", None):
+    if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
     out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
     entries = prereg.confirm(
         plan_path, out, runner, manifest_hash=manifest_hash or manifest_sha256(splits_dir),
-        validate=run_cmd.validate_arm,
+        validate=arms.validate_arm,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         cells=list(cells) or None, overrides=_key_values(overrides, "--override") or None,

@@ -43,6 +43,17 @@ def get_scorer_class(name: str) -> type[Scorer]:
     return _REGISTRY[name]
 
 
+def scorer_identity(name: str) -> dict | None:
+    """What identifies a scorer beyond its name, for the run configuration (and so its hash).
+
+    None for the built-in scorers (the code version covers them). A plugin scorer returns its spec,
+    its distribution name and version when installed, and the sha256 of its source file(s), so that
+    a changed plugin never resumes or confirms a run of the old one.
+    """
+    get_scorer_class(name)
+    return None
+
+
 def make_scorer(name: str, **params) -> Scorer:
     """Instantiate scorer `name` with the parameters its dataclass declares; others are ignored
     (the CLI passes --lambda, --window, ... to every scorer; those that do not use them ignore them)."""
@@ -51,4 +62,4 @@ def make_scorer(name: str, **params) -> Scorer:
     return cls(**{k: v for k, v in params.items() if k in fields and v is not None})
 
 
-__all__ = ["Scorer", "register", "available", "get_scorer_class", "make_scorer", "topk_keep"]
+__all__ = ["Scorer", "register", "available", "get_scorer_class", "make_scorer", "scorer_identity", "topk_keep"]

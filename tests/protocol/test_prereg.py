@@ -413,9 +413,9 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     base = ["confirm", "--plan", str(plans[0]), "--out", str(out),
             "--code-version", "0.1.0+gtest"]
     monkeypatch.setattr(prereg, "DEFAULT_RUNNER", None)
-    import retention.cli.run_cmd as run_cmd
+    import retention.jobs as jobs
 
-    monkeypatch.delattr(run_cmd, "confirm_runner", raising=False)
+    monkeypatch.delattr(jobs, "confirm_runner", raising=False)
     res = _cli(base)
     assert res.exit_code != 0 and "no generation runner" in res.output
     res = _cli(base + ["--runner", "tests.protocol.test_prereg:cli_runner", "--cell", "tiny-random@b256"])

@@ -149,7 +149,7 @@ def test_key_statistic_scorers_are_refused_on_layout_models(tmp_path, scorer):
 
 
 def test_plan_validation_refuses_them_too():
-    from retention.cli.run_cmd import validate_arm
+    from retention.arms import validate_arm
 
     with pytest.raises(RetentionError, match="cannot score the tiny-kv cache"):
         validate_arm({"model": "tiny-kv", "scorer": "alpha", "budget": 16})

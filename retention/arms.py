@@ -1,0 +1,214 @@
+"""Arm configurations: the one place that turns options into a validated run configuration.
+
+`run`, `preregister`, `confirm` and the Ray launcher all build and check arms here, so what a plan
+registers is exactly what `run` would run (docs/records.md names every key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+from retention.errors import RetentionError
+
+# What `--engine` (and a plan arm's "engine") may name: this project's batched engine, the reference
+# modules for DeepSeek checkpoints, vLLM for non-evicting arms.
+ENGINES = ("hf", "reference", "vllm")
+
+
+def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict, "Cadence"]:  # noqa: F821
+    """The full configuration of one arm, its scorer parameters and its cadence."""
+    from retention.policy import cadence_for
+    from retention.scorers import get_scorer_class, scorer_identity
+
+    cls = get_scorer_class(scorer)
+    fields = {f.name for f in dataclasses.fields(cls)} - {"seed"}
+    params = {k: v for k, v in options.items() if k in fields and v is not None}
+    scorer_obj = cls(**params)  # validates parameters now, not in the middle of a run
+    params = {k: getattr(scorer_obj, k) for k in sorted(fields) if not k.startswith("_")}
+    extra = {}
+    if "stats" in params:
+        params["stats"], extra["stats_sha256"] = _resolve_stats(params["stats"], base["model"])
+    if cls.evicts and base["budget"] is None:
+        raise RetentionError(f"--budget is required for scorer {scorer!r}")
+    cadence = cadence_for(scorer_obj, base["budget"], base["interval"], base["accounting"], base["sink"], base["recent"],
+                          protect_prompt=bool(base.get("protect_prompt")))
+    budget, interval, sink, recent = cadence.budget, cadence.interval, cadence.sink, cadence.recent
+    identity = scorer_identity(scorer)
+    if identity is not None:  # a plugin: its code is part of what the arm is
+        extra["scorer_plugin"] = identity
+    config = dict(base, scorer=scorer, scorer_params=params, budget=budget, interval=interval,
+                  sink=sink, recent=recent, nominal_b=cadence.nominal, **extra)
+    return config, params, cadence
+
+
+def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
+    """The calibration statistics file a scorer will use (given, or the model's default) and its
+    sha256, so that the configuration hash names the statistics and not just a path."""
+    import hashlib
+
+    from retention.calibration import default_stats_path
+
+    resolved = Path(path) if path else default_stats_path(model)
+    if not resolved.is_file():
+        hint = "" if path else f" (the default for {model})"
+        raise RetentionError(f"no calibration statistics at {resolved}{hint}; run `retention calibrate "
+                             f"--model {model}` first or pass --stats FILE")
+    return str(resolved.resolve()), hashlib.sha256(resolved.read_bytes()).hexdigest()
+
+
+# Keys a pre-registered arm configuration may set (the rest come from the plan: model, budget,
+# samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
+# so that `confirm` can compare what was planned with what ran, key by key.
+_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "interval", "accounting", "sink", "recent", "protect_prompt",
+             "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos", "engine"}
+
+
+# Names a user may write for a scorer parameter (CLI spelling -> field name).
+PARAM_ALIASES = {"lambda": "lam"}
+# Upper bounds that keep a typo from allocating or generating without bound.
+MAX_SAMPLES = 10_000
+MAX_NEW_TOKENS = 1 << 20
+
+
+def normalize_arm(cfg: dict) -> dict:
+    """An arm configuration with parameter aliases resolved (`scorer_params.lambda` -> `lam`)."""
+    cfg = dict(cfg)
+    params = cfg.get("scorer_params")
+    if isinstance(params, dict):
+        cfg["scorer_params"] = {PARAM_ALIASES.get(k, k): v for k, v in params.items()}
+    return cfg
+
+
+def _number(cfg: dict, key: str, kind, flag: str, *, lo=None, hi=None, lo_open=False, default=None):
+    value = cfg.get(key, default)
+    if value is None:
+        return None
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        raise RetentionError(f"{flag} must be a finite {'integer' if kind is int else 'number'}, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise RetentionError(f"{flag} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise RetentionError(f"{flag} must be <= {hi}, got {value!r}")
+    return value
+
+
+def validate_arm(cfg: dict):
+    """Validate one arm's complete run configuration exactly as `run` will run it.
+
+    The one validation of `run`, `preregister` (each arm of each cell) and `confirm` (before any
+    generation): sampling numbers (finite, in range), model alias, dtype, device, split, scorer and
+    its parameters, statistics file, budget/interval/accounting/sink/recent combination. cfg uses
+    the run-configuration keys of docs/records.md (`run` resolves each listed scorer's own
+    parameters first: `retention.scorer_options`). Returns (scorer, config, params, cadence).
+    """
+    from retention.models import resolve_device, resolve_dtype, resolve_model
+
+    cfg = normalize_arm(cfg)
+    if not isinstance(cfg.get("scorer"), str) or not cfg["scorer"]:
+        raise RetentionError("an arm configuration needs a 'scorer' name")
+    if not isinstance(cfg.get("model"), str) or not cfg["model"]:
+        raise RetentionError("an arm configuration needs a 'model'")
+    ref = resolve_model(cfg["model"])
+    resolve_dtype(str(cfg.get("dtype", "float32")))
+    engine = cfg.get("engine", "hf")
+    if engine not in ENGINES:
+        raise RetentionError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if ref.kind in ("arch", "local") or engine == "reference":  # layouts that may refuse some scorers
+        from retention.arch.retention import check_run_scorers
+        from retention.models import model_layout
+
+        layout = model_layout(cfg["model"], str(cfg.get("dtype", "float32")))
+        if engine == "reference" and (ref.kind != "local" or layout.family != "mla"):
+            what = "is a reference layout model, always decoded on these modules" if ref.kind == "arch" else (
+                f"has a {layout.family} cache")
+            raise RetentionError(f"--engine reference runs DeepSeek-V2/V3 (MLA) checkpoint folders; {cfg['model']} "
+                                 f"{what}")
+        check_run_scorers("arch" if engine == "reference" else ref.kind, layout, [cfg["scorer"]])
+    resolve_device(str(cfg.get("device", "cpu")))
+    _number(cfg, "temperature", float, "--temperature", lo=0, hi=100, default=0.6)
+    _number(cfg, "top_p", float, "--top-p", lo=0, hi=1, lo_open=True, default=0.95)
+    top_p = cfg.get("top_p", 0.95)
+    if top_p is not None and top_p < 1e-6:
+        raise RetentionError(f"--top-p must be at least 1e-6 (a nucleus of at least one token), got {top_p!r}")
+    _number(cfg, "max_new_tokens", int, "--max-new-tokens", lo=1, hi=MAX_NEW_TOKENS, default=8192)
+    _number(cfg, "samples", int, "--samples", lo=1, hi=MAX_SAMPLES, default=1)
+    _number(cfg, "seed", int, "--seed", lo=0, hi=2**63 - 1, default=0)
+    _number(cfg, "limit", int, "--limit", lo=1)
+    for key, flag in (("budget", "--budget"), ("interval", "--interval")):
+        _number(cfg, key, int, flag, lo=1)
+    for key, flag in (("sink", "--sink"), ("recent", "--recent")):
+        _number(cfg, key, int, flag, lo=0)
+    if cfg.get("accounting", "mean") not in ("mean", "prefill", "peak"):
+        raise RetentionError(f"--accounting must be mean, prefill or peak, got {cfg.get('accounting')!r}")
+    if cfg.get("split", "dev") not in ("dev", "confirm"):
+        raise RetentionError(f"--split must be dev or confirm, got {cfg.get('split')!r}")
+    for key in ("fidelity", "ignore_eos"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise RetentionError(f"{key} must be true or false, got {cfg.get(key)!r}")
+    params = cfg.get("scorer_params") or {}
+    if not isinstance(params, dict):
+        raise RetentionError(f"scorer_params must be an object, got {params!r}")
+    from retention.scorer_options import scorer_fields
+
+    fields = set(scorer_fields(cfg["scorer"]))
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise RetentionError(f"scorer {cfg['scorer']!r} has no parameter(s) {unknown}; it takes "
+                             f"{sorted(fields)}" + (" (lambda is spelled lam or lambda)" if "lam" in fields else ""))
+    options = {k: v for k, v in params.items() if k in fields}
+    if "stats" in options and options["stats"] is not None and not isinstance(options["stats"], str):
+        raise RetentionError(f"--stats must be a file path, got {options['stats']!r}")
+    base = {k: v for k, v in cfg.items() if k not in ("scorer", "scorer_params", "stats_sha256")}
+    base.setdefault("interval", None)
+    base.setdefault("accounting", "mean")
+    base.setdefault("sink", None)
+    base.setdefault("recent", None)
+    base.setdefault("budget", None)
+    try:
+        config, built, cadence = build_arm_config(base, cfg["scorer"], options)
+    except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
+        raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
+    if built.get("stats"):
+        _check_stats_file(Path(built["stats"]))
+    return cfg["scorer"], config, built, cadence
+
+
+def _check_stats_file(path: Path) -> None:
+    """Read a statistics file now: one that is not statistics fails here, not mid-run."""
+    from retention.calibration import QueryStats
+
+    try:
+        QueryStats.load(path)
+    except RetentionError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise RetentionError(f"{path} is not a retention statistics file (safetensors: {exc})") from None
+
+
+def validate_plan_arm(name: str, arm: dict) -> None:
+    """The keys of a plan's arm configuration (the rest come from the plan and its cells)."""
+    if not isinstance(arm, dict):
+        raise RetentionError(f"the {name} configuration must be a JSON object")
+    unknown = sorted(set(arm) - _ARM_KEYS)
+    if unknown:
+        raise RetentionError(f"{name} configuration has unknown key(s) {unknown}; allowed: {sorted(_ARM_KEYS)}")
+
+
+def validate_plan(plan: dict) -> None:
+    """Every arm of every cell of a plan, validated as `run` validates an arm (`validate_arm`)."""
+    from protocol.prereg import ARMS, arm_config
+
+    for arm in ARMS:
+        validate_plan_arm(arm, plan[arm])
+    for cell in plan["cells"]:
+        for arm in ARMS:
+            try:
+                validate_arm(arm_config(plan, "0" * 64, cell, arm))
+            except RetentionError as exc:
+                raise RetentionError(f"{arm} of cell {cell['id']}: {exc}") from None
+

@@ -1,0 +1,113 @@
+"""Jobs: load a model and problems, open one run directory per arm, generate; and the runner that
+`retention confirm` plugs into the protocol. The CLI parses and prints; this module does the work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sys
+
+from protocol.errors import ProtocolError
+from retention.arms import _ARM_KEYS, validate_arm
+from retention.errors import RetentionError
+
+
+def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: float | None) -> int | None:
+    """The token budget: --budget, or --budget-bytes converted through the model's cache layout."""
+    if budget_kib is None:
+        return budget
+    from retention.layouts import tokens_for_bytes
+    from retention.models import model_layout
+
+    if budget is not None:
+        raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
+    if not (0 < budget_kib < float("inf")):
+        raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
+    return tokens_for_bytes(model_layout(model, dtype), budget_kib * 1024)
+
+
+def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
+            out: Path, progress=True, problems=None, extra_config=None, shard=None, batch_size=None,
+            splits_dir=None, engine="hf"):
+    """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
+
+    shard: a `retention.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
+    project's), "reference" (a DeepSeek-V2/V3 checkpoint on `retention.arch.deepseek`) or an external
+    engine of `retention.engines` (non-evicting arms only).
+    batch_size: sequences decoded together; None chooses one for the device and budget (printed).
+    It is not part of the configuration hash: records do not depend on it (batch invariance), so a
+    run resumes at any batch size; each record notes the batch size it was decoded in."""
+    from protocol.splits import load_split
+    from retention.merge import open_shard_run
+    from retention.models import load_model
+    from retention.runner import Arm, auto_batch_size, run_arms
+
+    if problems is None:
+        problems = load_split(split, data_path=data_path, splits_dir=splits_dir)
+        if limit:
+            problems = problems[:limit]
+    if engine not in ("hf", "reference"):
+        from retention.engines.run import execute_with_engine
+
+        return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
+                                   sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
+                                   extra_config=extra_config, shard=shard)
+    loaded = load_model(model, dtype=dtype, device=device)
+    if engine == "reference":
+        from retention.arch.deepseek import on_reference_engine
+
+        loaded = on_reference_engine(loaded)
+    arms = []
+    for name, config, params, cadence in arm_specs:
+        config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
+        arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
+    if batch_size is None:
+        batch_size = min(auto_batch_size(loaded, a.cadence, sampling["max_new_tokens"]) for a in arms)
+        print(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", file=sys.stderr)
+    run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
+             grade=grade, progress=progress, shard=shard, batch_size=batch_size)
+    return [a.run.path for a in arms]
+
+
+def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, splits_dir=None, shard=None) -> Path:
+    """The generation runner of `retention confirm` (contract in `protocol.prereg`).
+
+    Runs one arm of one registered cell on the confirm split through the same code as
+    `retention run`, resuming an interrupted run; returns its run directory. shard: only that
+    shard's pairs (`retention confirm --shard`); without it, complete shards are merged first.
+    """
+    from protocol.splits import load_split
+
+    cfg = dict(arm_config)
+    unknown = sorted(set(cfg) - _ARM_KEYS - {"model", "budget", "samples", "seed", "max_new_tokens", "split",
+                                             "plan_hash", "model_revision"})
+    if unknown:
+        raise RetentionError(f"plan arm configuration has unknown key(s) {unknown}; allowed: {sorted(_ARM_KEYS)}")
+    if cfg.get("split") != "confirm":
+        raise RetentionError("confirm_runner runs the confirm split only")
+    params = dict(cfg.get("scorer_params") or {})
+    sampling = {"max_new_tokens": int(cfg["max_new_tokens"]), "temperature": float(cfg.get("temperature", 0.6)),
+                "top_p": float(cfg.get("top_p", 0.95)), "ignore_eos": bool(cfg.get("ignore_eos", False))}
+    base = {"model": cfg["model"], "dtype": cfg.get("dtype", "float32"), "device": cfg.get("device", "cpu"),
+            "budget": cfg.get("budget"), "interval": cfg.get("interval"), "accounting": cfg.get("accounting", "mean"),
+            "sink": cfg.get("sink"), "recent": cfg.get("recent"), "protect_prompt": bool(cfg.get("protect_prompt", False)),
+            "split": "confirm", "data": cfg.get("data"),
+            "limit": cfg.get("limit"), "samples": int(cfg["samples"]), "seed": int(cfg["seed"]),
+            "fidelity": bool(cfg.get("fidelity", False)), **sampling}
+    if "engine" in cfg:
+        base["engine"] = cfg["engine"]
+    try:
+        spec = validate_arm(dict(base, scorer=cfg["scorer"], scorer_params=params))
+    except RetentionError as exc:  # bad input, not a crash: confirm must not log it as one
+        raise ProtocolError(str(exc)) from None
+    problems = load_split("confirm", data_path=base["data"], splits_dir=splits_dir)
+    if base["limit"]:
+        problems = problems[: int(base["limit"])]
+    # A pinned model revision that differs from the loaded one shows up as a logged deviation.
+    extra = {"plan_hash": cfg["plan_hash"]}
+    dirs = execute(base["model"], base["dtype"], base["device"], [spec], split="confirm", data_path=base["data"],
+                   limit=base["limit"], samples=base["samples"], seed=base["seed"], sampling=sampling,
+                   fidelity=base["fidelity"], grade=True, out=Path(out_dir), progress=True, problems=problems,
+                   extra_config=extra, shard=shard, engine=base.get("engine", "hf"))
+    return dirs[0]
+
