@@ -175,6 +175,11 @@ def validate_arm(cfg: dict):
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
     if built.get("stats"):
         _check_stats_file(Path(built["stats"]))
+    registered = cfg.get("stats_sha256")
+    if registered is not None and registered != config.get("stats_sha256"):
+        raise RetentionError(f"the calibration statistics of {cfg['model']} changed since registration: "
+                             f"registered sha256 {str(registered)[:12]}, {built.get('stats')} has "
+                             f"{str(config.get('stats_sha256'))[:12]}")
     return cfg["scorer"], config, built, cadence
 
 
@@ -199,16 +204,22 @@ def validate_plan_arm(name: str, arm: dict) -> None:
         raise RetentionError(f"{name} configuration has unknown key(s) {unknown}; allowed: {sorted(_ARM_KEYS)}")
 
 
-def validate_plan(plan: dict) -> None:
-    """Every arm of every cell of a plan, validated as `run` validates an arm (`validate_arm`)."""
+def validate_plan(plan: dict) -> dict[str, dict[str, str | None]]:
+    """Every arm of every cell of a plan, validated as `run` validates an arm (`validate_arm`).
+
+    Returns the calibration statistics each arm of each cell resolves to, by content:
+    {cell id: {arm: stats sha256 or None}} (each model of a study has its own statistics)."""
     from protocol.prereg import ARMS, arm_config
 
     for arm in ARMS:
         validate_plan_arm(arm, plan[arm])
+    resolved: dict[str, dict[str, str | None]] = {}
     for cell in plan["cells"]:
         for arm in ARMS:
             try:
-                validate_arm(arm_config(plan, "0" * 64, cell, arm))
+                _, config, _, _ = validate_arm(arm_config(plan, "0" * 64, cell, arm))
             except RetentionError as exc:
                 raise RetentionError(f"{arm} of cell {cell['id']}: {exc}") from None
+            resolved.setdefault(cell["id"], {})[arm] = config.get("stats_sha256")
+    return resolved
 

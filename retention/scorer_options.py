@@ -5,11 +5,12 @@ Two forms:
 * `--param SCORER.NAME=VALUE` (repeatable) sets one parameter of one listed scorer, e.g.
   `--param alpha.lam=0.5 --param rkv.lam=0.1`. The scorer must be listed and must take `NAME`.
 * The shared options (`--lambda`, `--radius`, `--window`, `--routing`, `--stats`) go to every listed
-  scorer that takes them, and are an error when no listed scorer does. `--lambda` is a deprecated
-  alias: it means a penalty weight for alpha and a mixing weight for rkv, so it is refused when it
-  would reach scorers that read it differently (both alpha and rkv listed).
+  scorer that takes them, and are an error when no listed scorer does. `--lambda` is the study's
+  name for alpha's penalty weight; it also means rkv's mixing weight, so it is refused when it would
+  reach scorers that read it differently (both alpha and rkv listed).
 
-A `--param` value wins over a shared option for its scorer.
+Contradictions are refused, never resolved silently: a shared option and a `--param` that set the
+same parameter, or the same `--param` given twice.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def parse_params(values: tuple[str, ...], names: list[str]) -> dict[str, dict]:
         if param not in fields:
             raise RetentionError(f"--param {item!r}: scorer {scorer!r} has no parameter {param!r}; "
                                  f"it takes {', '.join(sorted(fields)) or 'none'}")
+        if param in out[scorer]:  # the last one would silently win
+            raise RetentionError(f"--param {scorer}.{param} is given twice; give it once")
         out[scorer][param] = _convert(fields[param], raw.strip(), f"--param {item!r}")
     return out
 
@@ -75,12 +78,15 @@ def resolve(names: list[str], shared: dict[str, object], params: tuple[str, ...]
         takers = [n for n in names if field in scorer_fields(n)]
         if not takers:
             raise RetentionError(f"{flag} is not a parameter of any listed scorer ({', '.join(names)})")
+        both = [n for n in takers if field in per[n]]
+        if both:  # one of the two would silently win
+            raise RetentionError(f"{flag} and --param {both[0]}.{field} both set {both[0]}'s {field}; give one")
         if flag == "--lambda":
-            meanings = {LAMBDA_MEANING.get(n, n) for n in takers if field not in per[n]}
+            meanings = {LAMBDA_MEANING.get(n, n) for n in takers}
             if len(meanings) > 1:
                 raise RetentionError(
                     f"--lambda would set {' and '.join(f'{n} ({LAMBDA_MEANING.get(n, n)})' for n in takers)}; "
                     f"give each its own: {' '.join(f'--param {n}.lam=...' for n in takers)}")
         for n in takers:
-            per[n].setdefault(field, value)
+            per[n][field] = value
     return per

@@ -67,7 +67,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
                    "generated tokens (the meter still counts the prompt).")
 @click.option("--param", "params", multiple=True, metavar="SCORER.NAME=VALUE",
               help="One scorer's parameter, e.g. --param alpha.lam=0.5 --param rkv.lam=0.1 (repeatable).")
-@click.option("--lambda", "lam", type=float, default=None, help="Deprecated alias of --param alpha.lam / rkv.lam (defaults: alpha 0.5, rkv 0.1); refused when both are listed.")
+@click.option("--lambda", "lam", type=float, default=None, help="alpha: redundancy penalty weight λ (default 0.5); rkv: mixing weight (default 0.1). Refused when both are listed, or with --param SCORER.lam.")
 @click.option("--radius", type=float, default=None, help="alpha: cosine radius under which no penalty applies (default 0).")
 @click.option("--window", type=int, default=None, help="snapkv/rkv/h2o: recent query/window size (default 8).")
 @click.option("--routing", type=click.Choice(["shared", "per-layer"]), default=None,
@@ -134,8 +134,6 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
 
     shared = {"--lambda": lam, "--radius": radius, "--window": window, "--routing": routing, "--stats": stats_path}
     options = resolve(names, shared, params)  # per listed scorer; an option no listed scorer takes is an error
-    if lam is not None:
-        click.echo("warning: --lambda is deprecated; use --param SCORER.lam=VALUE", err=True)
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
             "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
             "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,

@@ -22,11 +22,19 @@ def test_qualified_params_reach_only_their_scorer():
 def test_shared_lambda_is_refused_when_it_would_mean_two_things():
     with pytest.raises(RetentionError, match=r"--param alpha.lam=\.\.\. --param rkv.lam=\.\.\."):
         resolve(["alpha", "rkv"], {"--lambda": 0.5})
-    # ... unless one of them has its own value: then --lambda reaches one meaning only
-    assert resolve(["alpha", "rkv"], {"--lambda": 0.5}, ("rkv.lam=0.2",)) == {"alpha": {"lam": 0.5},
-                                                                             "rkv": {"lam": 0.2}}
-    # one meaning: the deprecated alias still works, and only for the scorer that takes it
+    # one meaning: --lambda reaches only the scorer that takes it
     assert resolve(["alpha", "triattention"], {"--lambda": 0.3}) == {"alpha": {"lam": 0.3}, "triattention": {}}
+
+
+@pytest.mark.parametrize("names,shared,params,match", [
+    (["alpha"], {"--lambda": 0.5}, ("alpha.lam=0.3",), r"--lambda and --param alpha.lam both set"),
+    (["alpha", "rkv"], {"--lambda": 0.5}, ("rkv.lam=0.2",), r"--lambda and --param rkv.lam both set"),
+    (["h2o"], {"--window": 8}, ("h2o.window=4",), r"--window and --param h2o.window both set"),
+    (["alpha"], {}, ("alpha.lam=0.3", "alpha.lam=0.5"), r"--param alpha.lam is given twice"),
+])
+def test_contradictions_are_refused_not_resolved_silently(names, shared, params, match):
+    with pytest.raises(RetentionError, match=match):
+        resolve(names, shared, params)
 
 
 @pytest.mark.parametrize("names,shared,params,match", [
