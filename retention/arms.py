@@ -18,7 +18,10 @@ ENGINES = ("hf", "reference", "vllm")
 
 
 def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict, "Cadence"]:  # noqa: F821
-    """The full configuration of one arm, its scorer parameters and its cadence."""
+    """The full configuration of one arm, its scorer parameters and its cadence.
+
+    Returns (config, params, cadence): params are what the scorer is constructed with (a statistics
+    path); the config records the same parameters with the statistics named by their sha256."""
     from retention.policy import cadence_for
     from retention.scorers import get_scorer_class, scorer_identity
 
@@ -38,7 +41,11 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
     identity = scorer_identity(scorer)
     if identity is not None:  # a plugin: its code is part of what the arm is
         extra["scorer_plugin"] = identity
-    config = dict(base, scorer=scorer, scorer_params=params, budget=budget, interval=interval,
+    # The configuration (hashed: run id, resume, labels, baseline matching) names the statistics by
+    # content, never by path: the same file under another cache root is the same arm, and the two
+    # models of a study, each with its own statistics, are one arm each with its own identity.
+    recorded = dict(params, stats=f"sha256:{extra['stats_sha256']}") if "stats" in params else params
+    config = dict(base, scorer=scorer, scorer_params=recorded, budget=budget, interval=interval,
                   sink=sink, recent=recent, nominal_b=cadence.nominal, **extra)
     return config, params, cadence
 
@@ -70,6 +77,9 @@ PARAM_ALIASES = {"lambda": "lam"}
 # Upper bounds that keep a typo from allocating or generating without bound.
 MAX_SAMPLES = 10_000
 MAX_NEW_TOKENS = 1 << 20
+# A cache budget (tokens per layer and KV head) beyond any context a model is run at; larger values
+# only overflow the preallocated buffers.
+MAX_BUDGET = 1 << 24
 
 
 def normalize_arm(cfg: dict) -> dict:
@@ -140,7 +150,7 @@ def validate_arm(cfg: dict):
     _number(cfg, "seed", int, "--seed", lo=0, hi=2**63 - 1, default=0)
     _number(cfg, "limit", int, "--limit", lo=1)
     for key, flag in (("budget", "--budget"), ("interval", "--interval")):
-        _number(cfg, key, int, flag, lo=1)
+        _number(cfg, key, int, flag, lo=1, hi=MAX_BUDGET)
     for key, flag in (("sink", "--sink"), ("recent", "--recent")):
         _number(cfg, key, int, flag, lo=0)
     if cfg.get("accounting", "mean") not in ("mean", "prefill", "peak"):
@@ -174,7 +184,7 @@ def validate_arm(cfg: dict):
     except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
     if built.get("stats"):
-        _check_stats_file(Path(built["stats"]))
+        check_stats_file(Path(built["stats"]))
     registered = cfg.get("stats_sha256")
     if registered is not None and registered != config.get("stats_sha256"):
         raise RetentionError(f"the calibration statistics of {cfg['model']} changed since registration: "
@@ -183,7 +193,7 @@ def validate_arm(cfg: dict):
     return cfg["scorer"], config, built, cadence
 
 
-def _check_stats_file(path: Path) -> None:
+def check_stats_file(path: Path) -> None:
     """Read a statistics file now: one that is not statistics fails here, not mid-run."""
     from retention.calibration import QueryStats
 

@@ -21,9 +21,15 @@ def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: fl
 
     if budget is not None:
         raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
+    from retention.arms import MAX_BUDGET
+
     if not (0 < budget_kib < float("inf")):
         raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
-    return tokens_for_bytes(model_layout(model, dtype), budget_kib * 1024)
+    layout = model_layout(model, dtype)
+    if budget_kib * 1024 / layout.bytes_per_token > MAX_BUDGET:  # checked in floats: 1e308 KiB is no integer
+        raise RetentionError(f"--budget-bytes {budget_kib:g} KiB holds more than {MAX_BUDGET:,} tokens of {model}'s "
+                             "cache; give a budget a run can use")
+    return tokens_for_bytes(layout, budget_kib * 1024)
 
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,

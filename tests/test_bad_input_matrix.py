@@ -37,7 +37,7 @@ COMMANDS = dict(_walk(main))
 BASE = {
     ("run",): ["--model", "tiny-random", "--scorer", "streaming", "--budget", "64", "--limit", "1",
                "--max-new-tokens", "2", "--out", "out", "--quiet"],
-    ("calibrate",): ["--model", "tiny-random", "--tokens", "8", "--out", "out/stats.safetensors"],
+    ("calibrate",): ["--model", "tiny-random", "--tokens", "32", "--out", "out/stats.safetensors"],
     ("bench",): ["--model", "tiny-random", "--scorer", "full,streaming", "--max-new-tokens", "2", "--problems", "0"],
     ("grade",): ["in/records.jsonl"],
     ("splits", "verify"): [],

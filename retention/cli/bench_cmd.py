@@ -103,6 +103,10 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
         budget = budget_from_bytes(model, dtype, budget if "budget" in given else None, budget_kib)
     if scorer_names:  # an option no listed scorer takes is an error, as in `run`
         resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
+    if stats_path is not None:  # a file that is not statistics fails here, in one line, as in `run`
+        from retention.arms import check_stats_file
+
+        check_stats_file(Path(stats_path))
     for n in scorer_names:  # every cadence is checked before the model loads
         for mode in modes:
             cadence_for(make_scorer(n), budget, interval, mode)

@@ -21,6 +21,10 @@ def dev_split_text(splits_dir=None) -> str:
     return "\n\n".join(f"{p.problem.strip()}\n\n{p.solution.strip()}" for p in problems)
 
 
+# Query statistics are per-band means over the calibration queries: one or a few tokens give the
+# statistics of those tokens, not of the model. 32 is the calibration size of the golden vectors.
+MIN_TOKENS = 32
+
 @click.command("calibrate")
 @click.option("--model", required=True,
               help="Model alias (r1-distill-qwen-7b, r1-distill-llama-8b, smollm2-135m, tiny-random) "
@@ -31,8 +35,8 @@ def dev_split_text(splits_dir=None) -> str:
 @click.option("--text", "text_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="UTF-8 calibration text (default: the dev split's problems with their reference solutions; "
                    "never the confirm split).")
-@click.option("--tokens", type=click.IntRange(min=1, max=1 << 24), default=8192, show_default=True,
-              help="Calibrate on the first N tokens of the text (all of it if shorter).")
+@click.option("--tokens", type=click.IntRange(min=MIN_TOKENS, max=1 << 24), default=8192, show_default=True,
+              help=f"Calibrate on the first N tokens of the text (all of it if shorter; at least {MIN_TOKENS}).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
               help="Model dtype while calibrating (statistics are accumulated in float64, stored float32).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
@@ -44,8 +48,6 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     The text is tokenised once and run in independent chunks of 2048 tokens; the file records the
     model id, head geometry, RoPE parameters, dtype, token count and the sha256 of the tokens.
     """
-    if tokens <= 0:
-        raise RetentionError(f"--tokens must be > 0, got {tokens}")
     from retention.calibration import calibrate, default_stats_path
     from retention.models import load_model, resolve_model
 
@@ -68,8 +70,8 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
         source = "MATH-500 dev split: problem + reference solution"
     loaded = load_model(model, dtype=dtype, device=device)
     ids = loaded.tokenizer(text)["input_ids"][:tokens]
-    if not ids:
-        raise RetentionError("the calibration text is empty")
+    if len(ids) < MIN_TOKENS:
+        raise RetentionError(f"the calibration text has {len(ids)} tokens; statistics need at least {MIN_TOKENS}")
     stats = calibrate(loaded.model, ids, model_id=loaded.model_id, text_source=source)
     target = target if out else default_stats_path(loaded.name)
     ensure_dir(target.parent, "statistics folder")

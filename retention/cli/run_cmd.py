@@ -128,6 +128,13 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     names = _scorer_list(scorers)
     if baseline and baseline not in names:
         names.append(baseline)
+    if budget is not None or budget_kib is not None:
+        from retention.scorers import get_scorer_class
+
+        if not any(get_scorer_class(n).evicts for n in names):  # the budget would be ignored, with no word
+            flag = "--budget" if budget is not None else "--budget-bytes"
+            raise RetentionError(f"{flag} is not used by {', '.join(names)} (no listed scorer evicts: the cache "
+                                 "keeps every token); drop it, or list a retention scorer")
     budget = budget_from_bytes(model, dtype, budget, budget_kib)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
     from retention.scorer_options import resolve

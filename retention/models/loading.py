@@ -180,6 +180,13 @@ def _load_from_hub(hub_id: str, torch_dtype: torch.dtype, device: str, revision:
         return _load_pretrained(hub_id, torch_dtype, device, revision=revision, local_files_only=True)
     except OSError:
         pass  # not (fully) cached: try the hub itself
+    from retention.models.hub import PROBE_SECONDS, hub_answers
+
+    if not hub_answers():
+        raise RetentionError(
+            f"cannot load {hub_id}: it is not in the hub cache and the hub does not answer (probed for "
+            f"{PROBE_SECONDS:g} s; now HF_HUB_OFFLINE); download it where there is network (e.g. `hf download "
+            f"{hub_id}`) or pass a local folder as --model")
     try:
         return _load_pretrained(hub_id, torch_dtype, device, revision=revision)
     except OSError as exc:

@@ -100,8 +100,8 @@ class Alpha(TriAttention):
         super().__post_init__()
         if not (self.lam >= 0 and self.lam != float("inf")):
             raise RetentionError(f"--lambda must be a finite number >= 0, got {self.lam}")
-        if self.radius != self.radius:
-            raise RetentionError("--radius must be a number")
+        if not -1.0 <= self.radius <= 1.0:  # a cosine: outside [-1, 1] it silently means "never" or "always"
+            raise RetentionError(f"--radius is a cosine and must be in [-1, 1], got {self.radius}")
 
     def observe(self, cache, next_position) -> None:
         """Write the signature of every token the last forward wrote (all layers and KV heads hold
