@@ -404,8 +404,11 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     assert plan["baseline"] == {"scorer": "streaming"}
     from protocol.splits import manifest_sha256
 
-    assert plan == new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"],
-                            manifest_hash=manifest_sha256())  # the verified splits' manifest
+    want = new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"],
+                    manifest_hash=manifest_sha256())  # the verified splits' manifest
+    # neither rkv nor streaming reads calibration statistics: each cell records None for both arms
+    assert plan == prereg.with_cell_stats(want, {})
+    assert all(c["stats_sha256"] == {"treatment": None, "baseline": None} for c in plan["cells"])
     res = _preregister(tmp_path)
     assert res.exit_code == 0 and "already registered" in res.output
 
