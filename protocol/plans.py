@@ -280,13 +280,13 @@ def check_repeats(plan: dict, h: str, registry: Registry, cells: Iterable[str] |
                     f"started, not finished, under plan {p[:12]} (in {mine[-1]['out_dir']})")
             problems.append(f"cell {cell['id']} was already {what}")
         out[cell["id"]] = (key, covered)
-    if problems:
-        raise ProtocolError("; ".join(problems) + ". One confirmation per cell: a repeat is refused "
-                            "unless the plan says so (preregister --supersedes PLAN --reason ...)")
     unused = [s for s in names if s not in matched]
     if require_match and unused:
         raise ProtocolError(f"--supersedes {', '.join(unused)}: no plan with that hash confirmed or "
                             f"started a cell of this plan in {registry.root}")
+    if problems:
+        raise ProtocolError("; ".join(problems) + ". One confirmation per cell: a repeat is refused "
+                            "unless the plan says so (preregister --supersedes PLAN --reason ...)")
     return out
 
 
