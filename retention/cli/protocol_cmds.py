@@ -242,7 +242,8 @@ def stats_cmd(file, treatment, baseline, cluster, sample, boot, boot_max, seed, 
 @click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
               help="Configuration schema version.")
 @click.option("--note", default=None, help="Free text stored in the plan.")
-@click.option("--dataset", default="math500", show_default=True, help="Dataset whose confirm split the plan uses.")
+@click.option("--dataset", type=click.Choice(["math500", "aime24", "aime25"]), default="math500", show_default=True,
+              help="Dataset whose confirm set the plan uses (stored in the plan unless math500).")
 @click.option("--runner", "runner_spec", default=None, metavar="MODULE:FUNCTION",
               help="Register a generation runner for confirm [default: the built-in one].")
 @click.option("--supersedes", multiple=True, metavar="PLAN_HASH",

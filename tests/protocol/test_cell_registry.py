@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from protocol import ledger, prereg
+from protocol import ledger, prereg, report
 from protocol.errors import ProtocolError
 from tests.protocol.test_prereg import FakeRunner, _log, new_plan, run_confirm
 
@@ -143,6 +143,7 @@ def test_confirm_refuses_a_repeat_registered_elsewhere(tmp_path, monkeypatch):
 def test_copied_plan_with_a_fresh_registry_is_not_detectable_by_design(tmp_path, monkeypatch):
     """The threat model (README): a user who points RETENTION_STATE_DIR at an empty folder (or
     deletes the registry) can confirm again; only the same registry refuses."""
+    state = ledger.state_dir()
     path, h = _confirm_first(tmp_path)
     with pytest.raises(ProtocolError, match="already confirmed"):
         run_confirm(path, tmp_path / "b", FakeRunner(), cells=[CELL])
@@ -151,6 +152,17 @@ def test_copied_plan_with_a_fresh_registry_is_not_detectable_by_design(tmp_path,
     copy.parent.mkdir()
     copy.write_bytes(path.read_bytes())
     assert len(run_confirm(copy, tmp_path / "c", FakeRunner(), cells=[CELL])) == 1
+    with pytest.raises(ProtocolError, match="already confirmed"):  # that registry now refuses too
+        prereg.write_plan(new_plan(seed=1), tmp_path / "plans2")
+    # ... and a plan re-registered with another seed in yet another empty registry confirms; the
+    # original registry does not count its runs as confirmed (README: "only detectable")
+    monkeypatch.setenv(ledger.STATE_ENV, str(tmp_path / "fresh2"))
+    path2, h2, _ = prereg.write_plan(new_plan(seed=1), tmp_path / "plans2")
+    run_confirm(path2, tmp_path / "d", FakeRunner(), cells=[CELL])
+    monkeypatch.setenv(ledger.STATE_ENV, str(state))
+    rep = report.build_report([tmp_path / "d" / "runs"], boot=200)
+    assert len(rep.provenance["unconfirmed"]) == 2
+    assert all(f"plan {h2[:12]} is not in the registry" in why for why in rep.provenance["unconfirmed"].values())
 
 
 def test_started_confirmation_is_recorded_and_blocks_another_plan(tmp_path):
