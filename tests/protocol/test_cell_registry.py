@@ -170,7 +170,8 @@ def test_started_confirmation_is_recorded_and_blocks_another_plan(tmp_path):
     with pytest.raises(ProtocolError, match="crashed"):
         run_confirm(path, tmp_path / "a", FakeRunner(fail={(CELL, "treatment")}), cells=[CELL])
     plan = new_plan()
-    assert [(a["plan_hash"], a["status"]) for a in _attempts(plan)] == [(h, "started")]
+    assert [(a["plan_hash"], a["status"], a["out_dir"]) for a in _attempts(plan)] == [
+        (h, "started", str((tmp_path / "a").resolve()))]
     assert _attempts(plan, "qwen-1.5b@b512") == []  # never touched
     with pytest.raises(ProtocolError, match=f"started, not finished, under plan {h[:12]}"):
         prereg.write_plan(new_plan(seed=3), tmp_path / "plans2")
