@@ -24,6 +24,8 @@ from protocol.plans import (ARMS, CONFIG_SCHEMA_VERSION, DEFAULT_RUNNER_SPEC, ar
                             check_repeats, load_plan, superseded_plans)
 
 Runner = Callable[[dict, str, dict, Path], Path]
+# What a confirmation confirms: an override may not change it (the statistics and dataset included).
+_FIXED = {"split", "plan_hash", "model", "budget", "stats_sha256", "dataset"}
 
 
 def _now() -> str:
@@ -64,7 +66,6 @@ def _read_run_config(run_dir: Path) -> dict:
         return load_json_object(Path(run_dir) / "config.json", "run configuration")
     except ProtocolError as exc:
         raise ProtocolError(f"runner returned {run_dir} without a readable config.json ({exc})") from None
-
 
 
 def runner_record(plan: dict, runner_spec: str | None) -> dict:
@@ -111,7 +112,7 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner, *, manifest_hash: st
                             f"{plan['config_schema']}: refusing to confirm")
     if overrides and not reason:
         raise ProtocolError("overriding the registered configuration needs a reason (deviation log)")
-    bad = sorted(k for k in overrides or {} if k.split(".")[0] in {"split", "plan_hash", "model", "budget"})
+    bad = sorted(k for k in overrides or {} if k.split(".")[0] in _FIXED)
     if bad:
         raise ProtocolError(f"cannot override {bad}: they define what is being confirmed")
     code_version = code_version or "unknown"

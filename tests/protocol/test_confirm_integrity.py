@@ -272,6 +272,8 @@ def test_confirm_killed_at_every_write_point_recovers(tmp_path, monkeypatch):
         assert not rep.provenance["unconfirmed"], rep.provenance["unconfirmed"]
     kinds = {p.split(".")[0] for p in killed_at}
     assert {"append records", "append ledger", "replace ledger", "replace confirm"} <= kinds, kinds
+    cell_file = f"{prereg.cell_key(prereg.cell_identity(plan, plan['cells'][0]))}.jsonl"
+    assert {f"append {cell_file}", f"replace {cell_file}.head"} <= set(killed_at)  # the cell registry too
     assert len(killed_at) >= 20
     print(f"confirm killed at {len(killed_at)} write points, each recovered: "
           f"{sorted(set(killed_at))}")

@@ -190,6 +190,8 @@ def test_second_confirmation_is_refused(plan_file, tmp_path):
     (dict(cells=["qwen-1.5b@b9"]), "not in plan"),
     (dict(overrides={"max_new_tokens": 8192}), "needs a reason"),
     (dict(overrides={"split": "dev"}, reason="x"), "cannot override"),
+    (dict(overrides={"stats_sha256": "0" * 64}, reason="x"), "cannot override"),
+    (dict(overrides={"dataset": "aime24"}, reason="x"), "cannot override"),
 ])
 def test_confirm_refusals(plan_file, tmp_path, kw, match):
     path, _ = plan_file
