@@ -2,7 +2,11 @@
 
 One confirmation per (plan, cell), wherever `confirm` runs: the registry lives in a user-level
 state directory (`$RETENTION_STATE_DIR`, else the platform's user state directory), keyed by plan
-hash, so neither `--out`, the working directory nor the plan file's name or location matter.
+hash, so neither `--out`, the working directory nor the plan file's name or location matter. And
+one confirmation per *cell identity* (`protocol.plans.cell_identity`: what is compared, not the
+plan's seed, note or k) across plans: `<state>/cells/<cell key>.jsonl` lists every attempt on the
+cell, `{"plan_hash", "cell_id", "status": "started" | "confirmed", "at", "out_dir", "supersedes",
+"reason"}`, chained under the registry's cell key (`<state>/cells/key`).
 
 Each registered plan has a folder `<state>/plans/<plan hash>/` holding
 
@@ -22,9 +26,12 @@ A kill at any moment therefore leaves a state `entries()` completes: the pending
 
 from __future__ import annotations
 
+import contextlib
+import datetime as _dt
 import hashlib
 import hmac
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -164,31 +171,14 @@ class Registry:
         path = self.plan_dir(plan_h) / "key"
         if not path.exists():
             return None
-        try:
-            return bytes.fromhex(path.read_text(encoding="ascii").strip())
-        except (OSError, ValueError, UnicodeDecodeError):
-            raise ProtocolError(f"{path}: unreadable plan key (registry damaged)") from None
+        return _read_key(path)
 
     def register(self, plan_h: str) -> bytes:
         """The plan's key, created (mode 0600) if the plan is not registered yet."""
         existing = self.key(plan_h)
         if existing is not None:
             return existing
-        folder = ensure_dir(self.plan_dir(plan_h), "registry folder")
-        key = secrets.token_bytes(32)
-        path = folder / "key"
-        try:
-            # O_EXCL: two registrations at once agree on the first key written.
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return self.key(plan_h)
-        except OSError as exc:
-            raise ProtocolError(f"cannot register plan in {folder}: {exc.strerror or exc}") from None
-        with os.fdopen(fd, "w") as fh:
-            fh.write(key.hex() + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        return key
+        return _create_key(ensure_dir(self.plan_dir(plan_h), "registry folder"), "register plan")
 
     def require_key(self, plan_h: str) -> bytes:
         key = self.key(plan_h)
@@ -203,6 +193,104 @@ class Registry:
     def lock(self, plan_h: str):
         ensure_dir(self.plan_dir(plan_h), "registry folder")
         return exclusive_lock(self.plan_dir(plan_h) / ".lock", f"confirmation of plan {plan_h[:12]}")
+
+    # ---- cells: every attempt on a cell identity, across plans
+
+    def cell_path(self, cell_key: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{64}", str(cell_key)):
+            raise ProtocolError(f"not a cell key: {cell_key!r}")
+        return self.root / "cells" / f"{cell_key}.jsonl"
+
+    def _cell_chain(self, cell_key: str, create: bool) -> HashChain | None:
+        path = self.cell_path(cell_key)
+        key_path = path.parent / "key"
+        if key_path.exists():
+            key = _read_key(key_path)
+        elif path.exists():
+            raise ProtocolError(f"{path} exists but the registry's cell key {key_path} is missing "
+                                "(registry damaged)")
+        elif not create:
+            return None
+        else:
+            key = _create_key(ensure_dir(path.parent, "registry folder"), "register cells")
+        return HashChain(path, key)
+
+    def cell_attempts(self, cell_key: str) -> list[dict]:
+        """Every recorded attempt on the cell, oldest first (verified chain), each exactly
+        {"plan_hash", "cell_id", "status": "started" | "confirmed", "at", "out_dir",
+        "supersedes": [plan hashes] or None, "reason": str or None}."""
+        chain = self._cell_chain(cell_key, create=False)
+        if chain is None:
+            return []
+        return [{f: e.get(f) for f in ATTEMPT_FIELDS} for e in chain.entries()]
+
+    def record_attempt(self, cell_key: str, *, plan_hash: str, cell_id: str, status: str,
+                       out_dir: str, supersedes: list[str] | None = None,
+                       reason: str | None = None) -> dict | None:
+        """Append an attempt unless it is already there: "started" once per (plan, cell, out
+        folder), "confirmed" once per (plan, cell). Returns the new attempt, or None.
+
+        Shards of one confirmation write here at once, so the check and the append hold a
+        (blocking, short) lock on the cell's file."""
+        if status not in ("started", "confirmed"):
+            raise ProtocolError(f"unknown attempt status {status!r}")
+        chain = self._cell_chain(cell_key, create=True)
+        with _blocking_lock(chain.path.with_name(chain.path.name + ".lock")):
+            for a in chain.entries():
+                if (a.get("plan_hash"), a.get("cell_id"), a.get("status")) == (plan_hash, cell_id, status) \
+                        and (status == "confirmed" or a.get("out_dir") == out_dir):
+                    return None
+            attempt = {"plan_hash": plan_hash, "cell_id": cell_id, "status": status,
+                       "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                       "out_dir": out_dir, "supersedes": list(supersedes) if supersedes else None,
+                       "reason": reason}
+            chain.append(attempt)
+            return attempt
+
+
+# Fields of one attempt on a cell (`Registry.cell_attempts`).
+ATTEMPT_FIELDS = ("plan_hash", "cell_id", "status", "at", "out_dir", "supersedes", "reason")
+
+
+def _read_key(path: Path) -> bytes:
+    try:
+        return bytes.fromhex(path.read_text(encoding="ascii").strip())
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise ProtocolError(f"{path}: unreadable key (registry damaged)") from None
+
+
+def _create_key(folder: Path, what: str) -> bytes:
+    """32 random bytes written to `folder/key` (mode 0600); two creators at once agree on the
+    first key written (O_EXCL)."""
+    path = folder / "key"
+    key = secrets.token_bytes(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return _read_key(path)
+    except OSError as exc:
+        raise ProtocolError(f"cannot {what} in {folder}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key.hex() + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return key
+
+
+@contextlib.contextmanager
+def _blocking_lock(path: Path):
+    """An exclusive `flock` held for a few file operations (waits for the other holder)."""
+    import fcntl
+
+    try:
+        fh = open(path, "a")
+    except OSError as exc:
+        raise ProtocolError(f"cannot lock {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+    finally:
+        fh.close()
 
 
 def plan_ledger_path(plan_path: Path) -> Path:

@@ -75,7 +75,8 @@ STRING_BAD = {
     "--manifest-hash": ["xyz", "0" * 64],
     "--cell": ["nope@b1"],
     "--override": ["novalue", "split=dev"],
-    "--runner": ["nomodule", "no.such.module:f", "os:nosuchattr"],
+    "--runner": ["nomodule", "no.such.module:f", "os:nosuchattr", "json:dumps"],
+    "--supersedes": ["xyz", "0" * 64],
     ("bench", "--accounting"): ["nope", ","],
     "--param": ["novalue", "streaming.nope=1", "alpha.lam=0.5", ".=1"],
     ("run", "--ray"): ["", "local"],  # empty address; a cluster without --shards

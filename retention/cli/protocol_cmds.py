@@ -2,9 +2,9 @@
 
 The work is done in `protocol.stats`, `protocol.prereg` and `protocol.report`, imported inside the
 commands so that `retention --help` stays fast. `confirm` needs a generation runner (see
-`protocol.prereg`'s runner contract); it is taken from `--runner MODULE:FUNCTION`, else from
-`protocol.prereg.DEFAULT_RUNNER`, else from `retention.jobs.confirm_runner` when the
-runtime provides one.
+`protocol.prereg`'s runner contract); it is taken from `--runner MODULE:FUNCTION`, else from the
+plan's registered runner, else from `protocol.prereg.DEFAULT_RUNNER`, else from
+`retention.jobs.confirm_runner` when the runtime provides one.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import functools
 import importlib
+import inspect
 import json
 import os
 import re
@@ -241,11 +242,23 @@ def stats_cmd(file, treatment, baseline, cluster, sample, boot, boot_max, seed, 
 @click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
               help="Configuration schema version.")
 @click.option("--note", default=None, help="Free text stored in the plan.")
+@click.option("--dataset", type=click.Choice(["math500", "aime24", "aime25"]), default="math500", show_default=True,
+              help="Dataset whose confirm set the plan uses (stored in the plan unless math500).")
+@click.option("--runner", "runner_spec", default=None, metavar="MODULE:FUNCTION",
+              help="Register a generation runner for confirm [default: the built-in one].")
+@click.option("--supersedes", multiple=True, metavar="PLAN_HASH",
+              help="A plan that already confirmed (or started) a cell of this one; needs --reason (repeat).")
+@click.option("--reason", default=None, help="Why the cells are confirmed again (with --supersedes).")
 @splits_dir_option
 def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, baseline_set, samples,
                     seed, max_new_tokens, test, boot, boot_max, boot_seed, alpha, m,
-                    model_revision, manifest_hash, code_version, config_schema, note, splits_dir):
-    """Write a content-hashed pre-registration plan for a confirm run."""
+                    model_revision, manifest_hash, code_version, config_schema, note, dataset, runner_spec,
+                    supersedes, reason, splits_dir):
+    """Write a content-hashed pre-registration plan for a confirm run.
+
+    A plan whose cells another plan already confirmed or started (same model, budget, dataset and
+    arms; seed, note, k and test do not count) is refused unless it names that plan with
+    --supersedes and a --reason, both recorded in the plan."""
     from protocol import prereg
     from protocol.splits import manifest_sha256
 
@@ -259,6 +272,8 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
                                    f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
     treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
     baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
+    if runner_spec is not None:
+        _load_runner(runner_spec)  # a runner that cannot run is refused now, not at confirm
     plan = prereg.build_plan(
         models=models, budgets=[_budget(b) for b in budgets],
         treatment=treatment, baseline=baseline, k=samples, seed=seed,
@@ -267,11 +282,16 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
         boot_seed=boot_seed, alpha=alpha, m=m, test=test,
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         model_revisions={k: str(v) for k, v in _key_values(model_revision, "--model-revision").items()},
-        note=note)
-    validate_plan(plan)  # each arm of each cell exactly as `run` would validate it
-    path, h, written = prereg.write_plan(plan, out)
+        note=note, dataset=dataset, runner=runner_spec, supersedes=supersedes, reason=reason)
+    # Each arm of each cell exactly as `run` would validate it; the calibration statistics each
+    # resolves to are recorded by content, per cell (each model has its own).
+    plan = prereg.with_cell_stats(plan, validate_plan(plan))
+    path, h, written = prereg.write_plan(plan, out)  # refuses an unacknowledged repeat of a cell
     state = "registered" if written else "already registered (unchanged)"
     click.echo(f"plan {h[:12]} {state}: {path}")
+    if plan.get("supersedes"):
+        click.echo(f"  supersedes {', '.join(p[:12] for p in plan['supersedes']['plans'])}: "
+                   f"{plan['supersedes']['reason']}")
     click.echo(f"  {len(plan['cells'])} cell(s): {', '.join(c['id'] for c in plan['cells'])}; "
                f"k={plan['k']}, B={plan['test']['boot']}, alpha={plan['test']['alpha']}, "
                f"m={plan['test']['m']}")
@@ -282,19 +302,38 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
 # confirm
 
 
-def _resolve_runner(spec: str | None):
+def _load_runner(spec: str):
+    """The callable MODULE:FUNCTION names, refused (one line) unless it takes the runner's
+    arguments (cell, arm, arm_config, out_dir)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise click.ClickException(f"--runner: expected MODULE:FUNCTION, got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise click.ClickException(f"cannot load runner {spec}: {exc}") from None
+    if not callable(fn):
+        raise click.ClickException(f"runner {spec} is not callable")
+    try:
+        inspect.signature(fn).bind({}, "treatment", {}, Path("."))
+    except TypeError:
+        raise click.ClickException(f"runner {spec} does not take (cell, arm, arm_config, out_dir)") from None
+    except ValueError:  # no introspectable signature (some builtins): let the call decide
+        pass
+    return fn
+
+
+def _resolve_runner(spec: str | None, plan: dict):
+    """(runner, spec to record): `--runner`, else the plan's registered runner, else the runtime's.
+    spec None means the plan's own (registered) runner."""
     from protocol import prereg
 
     if spec:
-        module, sep, name = spec.partition(":")
-        if not sep:
-            raise click.ClickException(f"--runner: expected MODULE:FUNCTION, got {spec!r}")
-        try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as exc:
-            raise click.ClickException(f"cannot load runner {spec}: {exc}") from None
+        return _load_runner(spec), spec
+    if plan.get("runner"):
+        return _load_runner(plan["runner"]), plan["runner"]
     if prereg.DEFAULT_RUNNER is not None:
-        return prereg.DEFAULT_RUNNER
+        return prereg.DEFAULT_RUNNER, None
     try:
         runner = getattr(importlib.import_module("retention.jobs"), "confirm_runner", None)
     except ImportError:
@@ -302,7 +341,22 @@ def _resolve_runner(spec: str | None):
     if runner is None:
         raise click.ClickException("no generation runner is available for confirm "
                                    "(the runtime has not installed one; see --runner)")
-    return runner
+    return runner, prereg.DEFAULT_RUNNER_SPEC
+
+
+def _validate_confirm_arm(cfg: dict) -> None:
+    """One arm of a confirmation as the runner will receive it: no key the run configuration does
+    not know (a mistyped --override), and valid as `run` validates an arm."""
+    from protocol.plans import _PLAN_LEVEL_KEYS
+
+    from retention import arms
+    from retention.errors import RetentionError
+
+    unknown = sorted(set(cfg) - arms._ARM_KEYS - _PLAN_LEVEL_KEYS - {"model_revision", "dataset"})
+    if unknown:
+        raise RetentionError(f"unknown configuration key(s) {unknown} (a mistyped --override?); "
+                             f"allowed: {sorted(arms._ARM_KEYS | _PLAN_LEVEL_KEYS - {'plan_hash', 'split'})}")
+    arms.validate_arm(cfg)
 
 
 @click.command("confirm")
@@ -321,42 +375,48 @@ def _resolve_runner(spec: str | None):
 @click.option("--code-version", default=None, help="Code version [default: version + git commit].")
 @click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
               help="Configuration schema version.")
-@click.option("--runner", "runner_spec", default=None,
-              help="Generation runner as MODULE:FUNCTION [default: the runtime's].")
+@click.option("--runner", "runner_spec", default=None, metavar="MODULE:FUNCTION",
+              help="Generation runner [default: the plan's, else the built-in one]; one the plan did not "
+                   "register is recorded as a deviation.")
 @splits_dir_option
 @click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
               help="Only generate shard I of N of the cells' pairs (no ledger entry); a final run without "
                    "--shard merges the shards and confirms. auto: from Slurm or RANK/WORLD_SIZE.")
 def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
                 config_schema, runner_spec, splits_dir, shard_text):
-    """Run a registered plan's cells on the confirm split and record them in the ledger."""
+    """Run a registered plan's cells on the confirm split and record them in the ledger.
+
+    Each cell is recorded as started in the registry before its first generation (a shard too),
+    and a cell another plan confirmed or started is refused unless the plan supersedes it."""
     from protocol import prereg
 
     from protocol.splits import manifest_sha256
 
-    from retention import arms, jobs
+    from retention import jobs
 
     plan, h = prereg.load_plan(plan_path)
+    override_map = _key_values(overrides, "--override") or None
+    out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
     if shard_text is not None:
         from retention.confirm_shard import generate_confirm_shard
         from retention.shard import parse_shard
 
-        generate_confirm_shard(plan_path, out or Path("results") / "confirm" / f"plan-{h[:12]}",
-                               parse_shard(shard_text), cells=list(cells) or None,
-                               overrides=_key_values(overrides, "--override") or None, reason=reason,
-                               manifest_hash=manifest_hash, log=click.echo)
+        if runner_spec is not None:
+            raise click.ClickException("--runner cannot be combined with --shard (shards generate with the "
+                                       "built-in runner)")
+        generate_confirm_shard(plan_path, out, parse_shard(shard_text), cells=list(cells) or None,
+                               overrides=override_map, reason=reason, manifest_hash=manifest_hash,
+                               validate=_validate_confirm_arm, log=click.echo)
         return
-    runner = _resolve_runner(runner_spec)
+    runner, spec = _resolve_runner(runner_spec, plan)
     if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
-    out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
     entries = prereg.confirm(
         plan_path, out, runner, manifest_hash=manifest_hash or manifest_sha256(splits_dir),
-        validate=arms.validate_arm,
+        validate=_validate_confirm_arm, runner_spec=spec,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
-        cells=list(cells) or None, overrides=_key_values(overrides, "--override") or None,
-        reason=reason, log=click.echo)
+        cells=list(cells) or None, overrides=override_map, reason=reason, log=click.echo)
     click.echo(f"{len(entries)} cell(s) confirmed under plan {h[:12]}; ledger: "
                f"{prereg.ledger_path(out)}")
 

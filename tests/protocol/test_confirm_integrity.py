@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import io, ledger, prereg, report
+from protocol import confirmation, io, ledger, plans, prereg, report
 from protocol.errors import ProtocolError
 from tests.protocol.test_prereg import MANIFEST, FakeRunner, _log, new_plan, run_confirm
 
@@ -185,7 +185,7 @@ class Killer:
                 raise Killed  # an atomic replace killed midway leaves the old file
             return real_atomic(path, data)
 
-        for mod in (io, ledger, prereg):
+        for mod in (io, ledger, prereg, plans, confirmation):
             if hasattr(mod, "append_line"):
                 monkeypatch.setattr(mod, "append_line", append_line)
             if hasattr(mod, "write_atomic"):
@@ -230,6 +230,11 @@ def _state(path, out, h):
     for chain in (reg, beside, local):
         assert sorted(e["cell_id"] for e in chain) == sorted(results), "each cell exactly once"
         assert {e["cell_id"]: e["result"] for e in chain} == results
+    plan, _ = prereg.load_plan(path)
+    for cell in plan["cells"]:  # the cell registry: started, then confirmed, once each
+        attempts = ledger.Registry().cell_attempts(prereg.cell_key(prereg.cell_identity(plan, cell)))
+        assert [a["status"] for a in attempts] == ["started", "confirmed"], attempts
+        assert {a["plan_hash"] for a in attempts} == {h}
     for e in local:  # sidecars name the confirm directory's entry and the records they confirmed
         for arm, info in e["runs"].items():
             side = json.loads((out / info["path"] / "confirm.json").read_text())
@@ -267,6 +272,8 @@ def test_confirm_killed_at_every_write_point_recovers(tmp_path, monkeypatch):
         assert not rep.provenance["unconfirmed"], rep.provenance["unconfirmed"]
     kinds = {p.split(".")[0] for p in killed_at}
     assert {"append records", "append ledger", "replace ledger", "replace confirm"} <= kinds, kinds
+    cell_file = f"{prereg.cell_key(prereg.cell_identity(plan, plan['cells'][0]))}.jsonl"
+    assert {f"append {cell_file}", f"replace {cell_file}.head"} <= set(killed_at)  # the cell registry too
     assert len(killed_at) >= 20
     print(f"confirm killed at {len(killed_at)} write points, each recovered: "
           f"{sorted(set(killed_at))}")

@@ -190,6 +190,8 @@ def test_second_confirmation_is_refused(plan_file, tmp_path):
     (dict(cells=["qwen-1.5b@b9"]), "not in plan"),
     (dict(overrides={"max_new_tokens": 8192}), "needs a reason"),
     (dict(overrides={"split": "dev"}, reason="x"), "cannot override"),
+    (dict(overrides={"stats_sha256": "0" * 64}, reason="x"), "cannot override"),
+    (dict(overrides={"dataset": "aime24"}, reason="x"), "cannot override"),
 ])
 def test_confirm_refusals(plan_file, tmp_path, kw, match):
     path, _ = plan_file
@@ -404,8 +406,11 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     assert plan["baseline"] == {"scorer": "streaming"}
     from protocol.splits import manifest_sha256
 
-    assert plan == new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"],
-                            manifest_hash=manifest_sha256())  # the verified splits' manifest
+    want = new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"],
+                    manifest_hash=manifest_sha256())  # the verified splits' manifest
+    # neither rkv nor streaming reads calibration statistics: each cell records None for both arms
+    assert plan == prereg.with_cell_stats(want, {})
+    assert all(c["stats_sha256"] == {"treatment": None, "baseline": None} for c in plan["cells"])
     res = _preregister(tmp_path)
     assert res.exit_code == 0 and "already registered" in res.output
 
