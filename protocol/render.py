@@ -263,8 +263,10 @@ def write_report(rep, out_dir) -> list[Path]:
         put("fidelity_exploratory.csv", pd.DataFrame(rep.fidelity).to_csv(index=False))
     put("report.tex", to_latex(rep))
     put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
-    for name, png in report_figures.render_all(rep).items():
+    figures, figure_notes = report_figures.render_all(rep)
+    for name, png in figures.items():
         put(name, png)
+    rep.notes += [f"figure {n}" for n in figure_notes if f"figure {n}" not in rep.notes]
     names = {p.name for p in written}
     for stale in sorted(set(previous) - names):
         path = out_dir / Path(stale).name  # names only: never a path outside out_dir

@@ -50,12 +50,13 @@ class Report:
 def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = None,
                  boot_max: int | None = None, seed: int | None = None, alpha: float | None = None,
                  m: int | None = None, confirm_dirs=None, grade=None,
-                 subset_boot: int = SUBSET_BOOT) -> Report:
+                 subset_boot: int = SUBSET_BOOT, registry=None) -> Report:
     """Load runs, pair them per cell, run the paired tests and the three diagnostics.
 
     boot, boot_max, seed, alpha, m: the test of comparisons that are not confirmed cells (None:
     the defaults; m: the number of such comparisons). A confirmed cell is tested as registered;
-    a given value that differs from its registered one is refused."""
+    a given value that differs from its registered one is refused. registry: the registry of
+    plans and confirmations (default: the user's, `protocol.ledger.Registry()`)."""
     runs = [load_run(d, grade=grade, with_trace=True) for d in find_run_dirs(run_dirs)]
     if len(runs) < 2:
         raise ProtocolError("a report needs at least two runs (a treatment and a baseline)")
@@ -65,7 +66,7 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = No
     if not pairs:
         raise ProtocolError("no (treatment, baseline) pair shares a cell: nothing to compare"
                             + (f" ({notes[0]})" if notes else ""))
-    prov = provenance(runs, confirm_dirs)
+    prov = provenance(runs, confirm_dirs, registry)
     notes += [w for r in runs for w in r.warnings] + prov["warnings"]
     given = {"boot": boot, "boot_max": boot_max, "seed": seed, "alpha": alpha, "m": m}
     tests = pair_tests(pairs, prov, given)
