@@ -177,4 +177,6 @@ def _confirmation(t: Run, b: Run, cell: dict | None, prov: dict) -> tuple[str, b
         return "UNCONFIRMED: " + "; ".join(dict.fromkeys(why)), False
     if cell is not None:
         return cell_status(prov, cell)
-    return ("confirmed" if is_confirm_run(t) or is_confirm_run(b) else "dev"), False
+    if is_confirm_run(t) or is_confirm_run(b):  # e.g. the arms swapped by --baseline
+        return "UNCONFIRMED: not a registered comparison of a confirmed cell", False
+    return "dev", False

@@ -136,12 +136,12 @@ def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) 
 
 
 def ledger_cell_of(prov: dict, treatment: Run, baseline: Run) -> dict | None:
-    """The verified ledger cell whose treatment (else baseline) run is this pair's."""
-    for arm, run in (("treatment", treatment), ("baseline", baseline)):
-        for cell in prov["ledger_cells"]:
-            info = cell["runs"].get(arm) or {}
-            if info.get("config_hash") == run.meta.get("config_hash") and info.get("run_id") == run.meta.get("run_id"):
-                return cell
+    """The verified ledger cell whose treatment and baseline runs are this pair's."""
+    same = lambda info, run: (info.get("config_hash") == run.meta.get("config_hash")  # noqa: E731
+                              and info.get("run_id") == run.meta.get("run_id"))
+    for cell in prov["ledger_cells"]:
+        if same(cell["runs"].get("treatment") or {}, treatment) and same(cell["runs"].get("baseline") or {}, baseline):
+            return cell
     return None
 
 

@@ -56,6 +56,7 @@ class Run:
     trace: list | None = None
     warnings: list = field(default_factory=list)
     label: str = ""
+    label_parts: list = field(default_factory=list)  # the parameters shown in the label
 
     @property
     def run_id(self) -> str:
@@ -214,8 +215,8 @@ def refuse_duplicates(runs: list[Run]) -> None:
         other = seen.setdefault(run.identity, run)
         if other is not run:
             raise ProtocolError(f"run {run.run_id} (split {run.split}) is given twice: {other.path} and "
-                                f"{run.path} (a run and its merged copy, or a shard and its merge?); "
-                                "give each run once")
+                                f"{run.path} (a run and its merged copy, or shards of one run: merge them with "
+                                "`retention merge`); give each run once")
 
 
 def correct(rec: dict) -> int:
@@ -259,12 +260,12 @@ def assign_labels(runs: list[Run]) -> None:
         siblings = by_scorer[run.scorer]
         varying = sorted(k for k in {k for p in siblings for k in p}
                          if len({json.dumps(p.get(k), sort_keys=True) for p in siblings}) > 1)
-        run._parts = [f"{k}={params.get(k)}" for k in varying]
+        run.label_parts = [f"{k}={params.get(k)}" for k in varying]
         _set_label(run)
     for group in _collisions(runs):
         if len({stats_identity(r.config) for r in group}) == len(group):
             for run in group:
-                run._parts.append(f"stats={str(stats_identity(run.config))[:8]}")
+                run.label_parts.append(f"stats={str(stats_identity(run.config))[:8]}")
                 _set_label(run)
     for group in _collisions(runs):
         for run in group:
@@ -272,7 +273,7 @@ def assign_labels(runs: list[Run]) -> None:
 
 
 def _set_label(run: Run) -> None:
-    run.label = f"{run.scorer}[{','.join(run._parts)}]" if run._parts else run.scorer
+    run.label = f"{run.scorer}[{','.join(run.label_parts)}]" if run.label_parts else run.scorer
     if run.config.get("protect_prompt"):  # the report says which prompt rule ran
         run.label += "+pp"
     if run.config.get("engine"):

@@ -341,3 +341,12 @@ def test_figure_warnings_become_report_notes(monkeypatch):
     rep = type("R", (), {"arms": [], "traces": {}, "subsets": [], "proxy": []})()
     figures, notes = report_figures.render_all(rep)
     assert figures == {"accuracy_vs_cache.png": b"png"} and notes == ["accuracy_vs_cache.png: layout trouble"]
+
+
+def test_confirm_runs_compared_otherwise_than_registered_are_not_confirmed(confirmed):
+    out, _ = confirmed
+    rep = report.build_report([out / "runs"], baseline="alpha", boot=300)  # arms swapped
+    for row in rep.comparisons:
+        assert row["treatment"] == "triattention" and row["test_source"] == "report settings"
+        assert row["confirmation"] == "UNCONFIRMED: not a registered comparison of a confirmed cell"
+        assert row["verdict"].startswith("UNCONFIRMED (")
