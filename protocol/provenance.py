@@ -173,7 +173,10 @@ def cell_status(prov: dict, cell: dict) -> tuple[str, bool]:
         text += f"; {len(others)} deviation(s) ({', '.join(dict.fromkeys(map(str, others)))})"
     attempts = prov["cell_attempts"].get(cell.get("cell_key")) or []
     done = [a for a in attempts if a.get("status") == "confirmed"]
-    started = [a for a in attempts if a.get("status") == "started"]
+    finished = {(a.get("plan_hash"), a.get("cell_id")) for a in done}
+    # an attempt is recorded as "started" before it generates and "confirmed" when it commits
+    started = [a for a in attempts if a.get("status") == "started"
+               and (a.get("plan_hash"), a.get("cell_id")) not in finished]
     if len(done) > 1:
         text += f"; REPEATED: confirmed {len(done)} times ({attempt_reasons(done)})"
     if started:

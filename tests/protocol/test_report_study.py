@@ -219,13 +219,14 @@ def test_cells_confirmed_more_than_once_and_started_attempts_are_shown(confirmed
     out, h = confirmed
     _with_cell_fields(monkeypatch)
     key = _sha("qwen-1.5b@b256")
-    attempts = {key: [
-        {"plan_hash": "1" * 64, "cell_id": "qwen-1.5b@b256", "status": "confirmed", "at": "2026-11-30T10:00:00+00:00",
-         "out_dir": "/x", "supersedes": None, "reason": None},
-        {"plan_hash": h, "cell_id": "qwen-1.5b@b256", "status": "confirmed", "at": "2026-12-01T10:00:00+00:00",
-         "out_dir": str(out), "supersedes": "1" * 64, "reason": "new code"},
-        {"plan_hash": "2" * 64, "cell_id": "qwen-1.5b@b256", "status": "started", "at": "2026-12-01T11:00:00+00:00",
-         "out_dir": "/y", "supersedes": h, "reason": "again"}]}
+    def attempt(plan, status, day, supersedes=None, reason=None):
+        return {"plan_hash": plan, "cell_id": "qwen-1.5b@b256", "status": status, "at": f"2026-12-0{day}T10:00:00+00:00",
+                "out_dir": f"/out/{plan[:4]}", "supersedes": supersedes, "reason": reason}
+
+    # as the registry records them: "started" before generating, "confirmed" when committed
+    attempts = {key: [attempt("1" * 64, "started", 1), attempt("1" * 64, "confirmed", 1),
+                      attempt(h, "started", 2, ["1" * 64], "new code"), attempt(h, "confirmed", 2, ["1" * 64], "new code"),
+                      attempt("2" * 64, "started", 3, [h], "again")]}
     rep = report.build_report([out / "runs"], registry=FakeRegistry(attempts))
     rows = {r["budget"]: r for r in rep.comparisons}
     assert rows[512]["confirmation"] == "confirmed"
