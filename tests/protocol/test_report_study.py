@@ -143,7 +143,8 @@ def test_a_confirmed_cell_is_reported_with_its_registered_test(confirmed, tmp_pa
     reg = rep.provenance["registered_tests"][h]
     assert (reg["alpha"], reg["boot"], reg["seed"], reg["m"]) == (0.01, 300, 7, 3)
     text = report.terminal_summary(rep)
-    assert f"registered (plan {h[:12]}): cluster bootstrap B=300 (max 300) seed=7, Bonferroni over m=3 at alpha=0.01" in text
+    assert (f"registered (plan {h[:12]}): cluster bootstrap B=300 (max 300) seed=7, "
+            "Bonferroni over m=3 at alpha=0.01") in text
     assert "\\alpha=0.01" in report.to_latex(rep) and "B=300" in report.to_latex(rep)
     # the command line may repeat a registered value, never change it
     assert report.build_report([out / "runs"], alpha=0.01, boot=300, m=3).comparisons[0]["alpha"] == 0.01
@@ -220,12 +221,14 @@ def test_cells_confirmed_more_than_once_and_started_attempts_are_shown(confirmed
     _with_cell_fields(monkeypatch)
     key = _sha("qwen-1.5b@b256")
     def attempt(plan, status, day, supersedes=None, reason=None):
-        return {"plan_hash": plan, "cell_id": "qwen-1.5b@b256", "status": status, "at": f"2026-12-0{day}T10:00:00+00:00",
+        return {"plan_hash": plan, "cell_id": "qwen-1.5b@b256", "status": status,
+                "at": f"2026-12-0{day}T10:00:00+00:00",
                 "out_dir": f"/out/{plan[:4]}", "supersedes": supersedes, "reason": reason}
 
     # as the registry records them: "started" before generating, "confirmed" when committed
     attempts = {key: [attempt("1" * 64, "started", 1), attempt("1" * 64, "confirmed", 1),
-                      attempt(h, "started", 2, ["1" * 64], "new code"), attempt(h, "confirmed", 2, ["1" * 64], "new code"),
+                      attempt(h, "started", 2, ["1" * 64], "new code"),
+                      attempt(h, "confirmed", 2, ["1" * 64], "new code"),
                       attempt("2" * 64, "started", 3, [h], "again")]}
     rep = report.build_report([out / "runs"], registry=FakeRegistry(attempts))
     rows = {r["budget"]: r for r in rep.comparisons}
