@@ -263,13 +263,22 @@ def assign_labels(runs: list[Run]) -> None:
         run.label_parts = [f"{k}={params.get(k)}" for k in varying]
         _set_label(run)
     for group in _collisions(runs):
-        if len({stats_identity(r.config) for r in group}) == len(group):
-            for run in group:
-                run.label_parts.append(f"stats={str(stats_identity(run.config))[:8]}")
+        hashes = [_content_hash(r.config) for r in group]
+        if None not in hashes and len(set(hashes)) == len(group):
+            for run, digest in zip(group, hashes):
+                run.label_parts.append(f"stats={digest[:8]}")
                 _set_label(run)
     for group in _collisions(runs):
         for run in group:
             run.label += f"#{str(run.meta.get('config_hash') or run.run_id)[:6]}"
+
+
+def _content_hash(config: dict) -> str | None:
+    """The statistics' sha256 when the run recorded one (an old run's path is never shown)."""
+    if config.get("stats_sha256"):
+        return str(config["stats_sha256"])
+    value = str((config.get("scorer_params") or {}).get("stats") or "")
+    return value[len("sha256:"):] if value.startswith("sha256:") else None
 
 
 def _set_label(run: Run) -> None:

@@ -354,3 +354,11 @@ def test_confirm_runs_compared_otherwise_than_registered_are_not_confirmed(confi
         assert row["treatment"] == "triattention" and row["test_source"] == "report settings"
         assert row["confirmation"] == "UNCONFIRMED: not a registered comparison of a confirmed cell"
         assert row["verdict"].startswith("UNCONFIRMED (")
+
+
+def test_an_old_run_with_only_a_statistics_path_never_shows_it(tmp_path):
+    for i, stats in enumerate(("/cache/a/stats.safetensors", "/cache/b/stats.safetensors")):
+        make_run(tmp_path, scorer="triattention", n=8, seed=i, params={"stats": stats})
+    rep = report.build_report([tmp_path], boot=200)
+    assert all("/" not in a["label"] and "cache" not in a["label"] for a in rep.arms)
+    assert len({a["label"] for a in rep.arms}) == 2  # told apart by configuration hash instead
