@@ -232,7 +232,7 @@ class JsonlRead:
         return [obj for _, obj in self.rows]
 
 
-def read_jsonl(path: Path, what: str = "JSONL", *, objects: bool = True,
+def read_jsonl(path: Path, what: str = "JSON", *, objects: bool = True,
                tolerate_partial_tail: bool = True) -> JsonlRead:
     """Read a JSONL file strictly.
 

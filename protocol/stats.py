@@ -73,7 +73,7 @@ def _as_binary(values, name: str) -> np.ndarray:
         )
     bad = np.flatnonzero((num != 0) & (num != 1))
     if bad.size:
-        raise ProtocolError(f"{name}: outcome {num[bad[0]]!r} in row {bad[0]} is not 0/1")
+        raise ProtocolError(f"{name}: outcome {num[bad[0]].item()!r} in row {bad[0]} is not 0/1")
     return num.astype(np.int64)
 
 
@@ -99,7 +99,7 @@ def paired_from_long(cluster, treatment, baseline, sample=None) -> PairedData:
     labels, inverse = np.unique(cluster, return_inverse=True)
     sizes = np.bincount(inverse)
     if sizes.min() != sizes.max():
-        worst = labels[np.argmin(sizes)]
+        worst = labels[np.argmin(sizes)].item()  # a plain value: its repr is what the user wrote
         raise ProtocolError(
             f"unequal generations per problem: k ranges {sizes.min()}..{sizes.max()} "
             f"(e.g. problem {worst!r} has {sizes.min()}); missing rows must be recorded as 0"

@@ -96,7 +96,7 @@ def test_unreadable_line_message_names_the_file_kind_once(tmp_path):
     path.write_text('{"a": 1}\nnot json\n{"b": 2}\n')
     with pytest.raises(ProtocolError) as err:
         read_jsonl(path)
-    assert "line line" not in str(err.value) and f"{path}:2" in str(err.value)
+    assert "line line" not in str(err.value) and f"{path}:2" in str(err.value) and "unreadable JSON line" in str(err.value)
 
 
 @pytest.fixture(scope="module")

@@ -428,23 +428,27 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
 @click.command("report")
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--baseline", default=None,
-              help="Baseline run (id, directory or scorer) [default: triattention, else the first].")
+              help="Baseline run (id, directory, label or scorer) [default: triattention, else the first].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("report"),
               show_default=True, help="Output directory.")
-@click.option("--boot", type=click.IntRange(min=1, max=10_000_000), default=100_000, show_default=True,
-              help="Cluster-bootstrap resamples.")
-@click.option("--boot-max", type=click.IntRange(min=1, max=10_000_000), default=1_000_000, show_default=True,
-              help="Resamples used when p is within 3 MC SEs of alpha/m.")
-@click.option("--boot-seed", "--seed", "seed", type=click.IntRange(min=0, max=2**32 - 1), default=0,
-              show_default=True, help="Resampling seed (--seed: old name).")
-@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.05,
-              show_default=True, help="Family-wise significance level.")
+@click.option("--boot", type=click.IntRange(min=1, max=10_000_000), default=None,
+              help="Cluster-bootstrap resamples [default: 100000]. A confirmed cell uses its registered "
+                   "test: a differing --boot, --boot-max, --boot-seed, --alpha or --m is refused.")
+@click.option("--boot-max", type=click.IntRange(min=1, max=10_000_000), default=None,
+              help="Resamples used when p is within 3 MC SEs of alpha/m [default: 1000000].")
+@click.option("--boot-seed", "--seed", "seed", type=click.IntRange(min=0, max=2**32 - 1), default=None,
+              help="Resampling seed (--seed: old name) [default: 0].")
+@click.option("--alpha", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=None,
+              help="Family-wise significance level [default: 0.05].")
 @click.option("--m", "--cells", "m", type=click.IntRange(min=1, max=1_000_000), default=None,
-              help="Bonferroni family size [default: the plan's m, else the number of comparisons].")
-@click.option("--confirm-dir", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Bonferroni family size [default: the number of comparisons that are not confirmed cells].")
+@click.option("--confirm-dir", multiple=True, type=click.Path(path_type=Path),
               help="Confirm directory whose ledger and deviation log to include.")
 def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_dir):
-    """Paired statistics, LaTeX/CSV tables, figures and diagnostics for RUN_DIRS."""
+    """Paired statistics, LaTeX/CSV tables, figures and diagnostics for RUN_DIRS.
+
+    A cell confirmed under a registered plan is reported with the plan's test (B, seed, alpha, m).
+    """
     from protocol import report
     from protocol.io import check_writable_dir
 

@@ -101,7 +101,7 @@ def test_report_flags_confirm_runs_without_a_valid_ledger_entry(plan_file, tmp_p
     path, h = plan_file
     out = tmp_path / "a"
     run_confirm(path, out, FakeRunner(), cells=[CELL])
-    rep = report.build_report([out / "runs"], boot=300)
+    rep = report.build_report([out / "runs"])  # a confirmed cell: the registered test
     assert rep.comparisons[0]["confirmation"] == "confirmed" and not rep.provenance["unconfirmed"]
     assert "UNCONFIRMED" not in report.terminal_summary(rep)
     # records flipped after confirmation
@@ -110,7 +110,7 @@ def test_report_flags_confirm_runs_without_a_valid_ledger_entry(plan_file, tmp_p
     for r in recs:
         r["verdict"] = True
     (run_dir / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    rep = report.build_report([out / "runs"], boot=300)
+    rep = report.build_report([out / "runs"])
     row = rep.comparisons[0]
     assert row["verdict"].startswith("UNCONFIRMED") and "records changed" in row["confirmation"]
     text = report.terminal_summary(rep)
@@ -216,7 +216,7 @@ def resumable_runner(cell, arm, cfg, out_dir):
                 continue
             bit = hashlib.sha256(f"{arm}{i}{j}{cell['id']}".encode()).digest()[0] < (150 if arm == "treatment" else 110)
             io.append_line(d / "records.jsonl", io.jsonl_line(
-                {"problem_id": f"p{i}", "sample": j, "verdict": bit, "text": "x", "gold": "1",
+                {"config_hash": arm, "problem_id": f"p{i}", "sample": j, "verdict": bit, "text": "x", "gold": "1",
                  "output_tokens": 10, "finish_reason": "eos", "cache_mean_tokens": 1.0,
                  "cache_peak_tokens": 1, "kib_per_token": 1.0, "cache_mean_kib": 1.0,
                  "budget_exceeded": False}))
@@ -268,7 +268,7 @@ def test_confirm_killed_at_every_write_point_recovers(tmp_path, monkeypatch):
         except ProtocolError as exc:  # killed after the last cell's commit: only copies to finish
             assert "already confirmed" in str(exc)
         assert _state(path, case / "out", h) == want, f"killed at write {n} ({killed_at[-1]})"
-        rep = report.build_report([case / "out" / "runs"], boot=50, subset_boot=10)
+        rep = report.build_report([case / "out" / "runs"], subset_boot=10)
         assert not rep.provenance["unconfirmed"], rep.provenance["unconfirmed"]
     kinds = {p.split(".")[0] for p in killed_at}
     assert {"append records", "append ledger", "replace ledger", "replace confirm"} <= kinds, kinds

@@ -1,0 +1,182 @@
+"""Which runs a report compares, and the paired test of each comparison (protocol section 6).
+
+* cell = (model, budget, split) of a run's configuration (`Run.cell`);
+* arm = scorer plus declared parameters (`Run.arm_signature`; statistics are identified by content
+  and not part of the arm, so each model's own statistics make one arm across models);
+* baseline = the run named by `baseline` (run id, directory, label or scorer name), else the run
+  whose scorer is `triattention`, else the first run given. Its arm is the baseline arm of every
+  cell: in each cell the run with the very same statistics when present, else the run of that arm
+  (the cell's own statistics). When a cell holds baseline runs of several accounting modes, a
+  treatment is compared with the one of its own mode. Every other run of the cell is a treatment.
+
+The test of a comparison is the one registered for its cell when it is confirmed
+(`protocol.provenance`), else the command-line settings (or their defaults).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from protocol import stats
+from protocol.diagnostics import effect_vs_n
+from protocol.errors import ProtocolError
+from protocol.provenance import check_given, cell_status, is_confirm_run, ledger_cell_of
+from protocol.runs import Run, pair_runs
+
+BASELINE_SCORER = "triattention"
+SUBSET_BOOT = 20_000  # resamples per nested-subset test: a diagnostic, not a decision
+DEFAULTS = {"boot": stats.BOOT_DEFAULT, "boot_max": stats.BOOT_MAX, "seed": 0, "alpha": 0.05}
+
+
+def budget_key(b):
+    return (b is None, b if b is not None else 0)
+
+
+def match_baseline(runs: list[Run], baseline: str | None) -> Run:
+    if baseline is None:
+        plain = [run for run in runs if getattr(run, "label", None) == BASELINE_SCORER]
+        for run in plain + runs:
+            if run.scorer == BASELINE_SCORER:
+                return run
+        return runs[0]
+    target = Path(baseline)
+    for run in runs:
+        same_dir = target.exists() and run.path.resolve() == target.resolve()
+        if baseline in (run.run_id, run.path.name) or same_dir:
+            return run
+    # A label (e.g. `triattention+pp`) names one variant; a bare scorer name prefers the run whose
+    # label is just that name (the default rule and parameters) over its variants.
+    named = [run for run in runs if getattr(run, "label", None) == baseline]
+    named = named or [run for run in runs if run.scorer == baseline]
+    if named:
+        return named[0]
+    raise ProtocolError(f"--baseline {baseline!r} matches no run id, run directory, label or scorer")
+
+
+def _cell_name(cell) -> str:
+    return f"cell {cell[0]} / budget {'full' if cell[1] is None else cell[1]} / split {cell[2]}"
+
+
+def plan_comparisons(runs: list[Run], baseline: str | None = None) -> tuple[list, list]:
+    """Pairs (treatment, baseline) per cell, and notes about cells without a baseline run.
+
+    A run without a budget (`full`, no eviction) is a reference for every budget of its model and
+    split: it joins each of those cells as a possible baseline and is never a treatment there.
+    """
+    ref = match_baseline(runs, baseline)
+    budgeted = {(r.model, r.split) for r in runs if r.budget is not None}
+    unbudgeted = [r for r in runs if r.budget is None and (r.model, r.split) in budgeted]
+    cells: dict = {}
+    for run in runs:
+        if run not in unbudgeted:
+            cells.setdefault(run.cell, []).append(run)
+    pairs, notes = [], []
+    models = list(dict.fromkeys(r.model for r in runs))
+    for key in sorted(cells, key=lambda c: (models.index(c[0]), budget_key(c[1]), str(c[2]))):
+        members = cells[key] + [r for r in unbudgeted if (r.model, r.split) == (key[0], key[2])]
+        bases = ([r for r in members if r.signature == ref.signature]
+                 or [r for r in members if r.arm_signature == ref.arm_signature])
+        if not bases:
+            elsewhere = sorted({str(r.split) for r in runs if (r.model, r.budget) == key[:2]
+                                and r.split != key[2] and r.arm_signature == ref.arm_signature})
+            why = (f"the {ref.label} baseline ran on split {', '.join(elsewhere)}: different splits"
+                   if elsewhere else f"no {ref.label} baseline run")
+            notes.append(f"{_cell_name(key)}: {why}; not compared")
+            continue
+        for acct in {b.accounting for b in bases}:
+            same = {b.signature for b in bases if b.accounting == acct}
+            if len(same) > 1:
+                raise ProtocolError(f"{_cell_name(key)}: several {ref.label} runs with different calibration "
+                                    f"statistics ({acct} accounting); name the baseline run with --baseline")
+        bases.sort(key=lambda r: r.accounting != "mean")  # a `mean` run is the default partner
+        for run in sorted(cells[key], key=lambda r: (r.label, r.accounting != "mean", r.accounting)):
+            if run in bases:
+                continue
+            partner = next((b for b in bases if b.accounting == run.accounting), bases[0])
+            pairs.append((run, partner))
+    return pairs, notes
+
+
+def _short_verdict(res: stats.PairedResult) -> str:
+    if not res.reject:
+        return "n.s."
+    return "better" if res.estimate > 0 else "worse"
+
+
+def pair_tests(pairs: list, prov: dict, given: dict) -> list[dict]:
+    """The test of each pair: the registered one for a confirmed cell (a differing command-line
+    value is refused), else the command-line values, else the defaults; m defaults to the number
+    of comparisons that are not registered."""
+    cells = [ledger_cell_of(prov, t, b) for t, b in pairs]
+    free = sum(1 for c in cells if c is None or c.get("test") is None)
+    out = []
+    for cell in cells:
+        test = cell.get("test") if cell else None
+        if test is not None:
+            check_given(given, test, cell)
+            out.append({"source": f"registered (plan {cell['plan_hash'][:12]})", "cell": cell,
+                        **{k: test[k] if test.get(k) is not None else
+                           (given.get(k) if given.get(k) is not None else DEFAULTS.get(k, free))
+                           for k in ("boot", "boot_max", "seed", "alpha", "m")}})
+        else:
+            out.append({"source": "report settings", "cell": cell,
+                        **{k: given[k] if given.get(k) is not None else DEFAULTS[k] for k in DEFAULTS},
+                        "m": int(given.get("m") or free)})
+    return out
+
+
+def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_boot: int) -> tuple[list, list]:
+    """Rows of the main table (one per pair) and the nested-subset rows."""
+    rows, subsets = [], []
+    for (t, b), test in zip(pairs, tests):
+        data = pair_runs(t, b)
+        res = stats.paired_test(data, alpha=test["alpha"], m=test["m"], boot=test["boot"],
+                                boot_max=test["boot_max"], seed=test["seed"])
+        row = {
+            "model": t.model, "budget": t.budget, "split": t.split, "accounting": t.accounting,
+            "treatment": t.label, "baseline": b.label, "treatment_run": t.run_id,
+            "baseline_run": b.run_id, "n": res.n, "k": res.k,
+            "acc_treatment": res.acc_treatment, "acc_baseline": res.acc_baseline,
+            "delta_pp": 100 * res.estimate, "se_pp": 100 * res.se,
+            "ci95_lo_pp": 100 * res.ci95[0], "ci95_hi_pp": 100 * res.ci95[1],
+            "ci_bonf_lo_pp": 100 * res.ci_bonferroni[0], "ci_bonf_hi_pp": 100 * res.ci_bonferroni[1],
+            "ci_bonf_level": res.ci_bonferroni_level, "p_bootstrap": res.p_bootstrap,
+            "p_mc_se": res.p_bootstrap_mc_se, "boot": res.boot, "boot_requested": test["boot"],
+            "boot_max": test["boot_max"], "seed": test["seed"], "alpha": test["alpha"], "p_z": res.p_z,
+            "p_signflip": res.p_signflip, "p_mcnemar": res.p_mcnemar,
+            "p_bonferroni": res.p_bonferroni, "p_holm": float("nan"), "m": test["m"],
+            "test_source": test["source"], "mde_pp": 100 * res.mde, "verdict": _short_verdict(res),
+        }
+        for prefix, s in (("t_", summaries[id(t)]), ("b_", summaries[id(b)])):
+            for key in ("cache_mean_tokens", "cache_peak_tokens", "kib_per_token",
+                        "cache_mean_kib", "mean_output_tokens", "truncation_rate",
+                        "budget_exceeded", "accounting"):
+                row[prefix + key] = s[key]
+        row["plan_hash"] = t.plan_hash or b.plan_hash
+        row["confirmation"], deviates = _confirmation(t, b, test["cell"], prov)
+        if row["confirmation"].startswith("UNCONFIRMED"):
+            row["verdict"] = f"UNCONFIRMED ({row['verdict']})"  # not the pre-registered evidence
+        elif deviates:
+            row["verdict"] = f"DEVIATION ({row['verdict']})"
+        rows.append(row)
+        for sub in effect_vs_n(data, seed=test["seed"], boot=min(test["boot"], subset_boot)):
+            subsets.append({"model": t.model, "budget": t.budget, "accounting": t.accounting,
+                            "treatment": t.label, "baseline": b.label, **sub})
+    families: dict = {}  # Holm within each family (one registered test, or the command line's)
+    for i, row in enumerate(rows):
+        families.setdefault((row["test_source"], row["m"]), []).append(i)
+    for (_source, m), idx in families.items():
+        for i, ph in zip(idx, stats.holm([rows[i]["p_bootstrap"] for i in idx], m)):
+            rows[i]["p_holm"] = float(ph)
+    return rows, subsets
+
+
+def _confirmation(t: Run, b: Run, cell: dict | None, prov: dict) -> tuple[str, bool]:
+    why = [prov["unconfirmed"][r.run_id] for r in (t, b) if r.run_id in prov["unconfirmed"]]
+    if why:
+        return "UNCONFIRMED: " + "; ".join(dict.fromkeys(why)), False
+    if cell is not None:
+        return cell_status(prov, cell)
+    if is_confirm_run(t) or is_confirm_run(b):  # e.g. the arms swapped by --baseline
+        return "UNCONFIRMED: not a registered comparison of a confirmed cell", False
+    return "dev", False

@@ -1,0 +1,168 @@
+"""Per-arm summaries and the report's diagnostics (protocol section 6).
+
+* `summarize_run`: accuracy with a clustered 95% CI, measured cache, length, truncation, fidelity;
+* `effect_vs_n`: the paired test on nested random subsets of problems (a gain that shrinks with n);
+* `aggregate_trace`: per-step cache length across records on a common step grid;
+* `accounting_effects`: the iso-cache check (the same comparison under `prefill` and `mean`);
+* `proxy_agreement`: fidelity proxies beside accuracy, with their Spearman correlation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protocol import stats
+from protocol.runs import Run, correct
+
+
+def _mean(values) -> float:
+    vals = [float(v) for v in values if v is not None]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def summarize_run(run: Run) -> dict:
+    """Accuracy (with a clustered 95% normal CI), cache, length and truncation of one run."""
+    recs = run.records
+    problems = sorted({str(r["problem_id"]) for r in recs})
+    index = {p: i for i, p in enumerate(problems)}
+    ok = np.array([correct(r) for r in recs], dtype=float)
+    pid = np.array([index[str(r["problem_id"])] for r in recs])
+    per_problem = np.bincount(pid, weights=ok) / np.bincount(pid)  # (n,) problem accuracies
+    acc = float(ok.mean()) if ok.size else float("nan")
+    se = float(per_problem.std(ddof=1) / np.sqrt(per_problem.size)) if per_problem.size > 1 else 0.0
+    fid = [r["fidelity"] for r in recs if isinstance(r.get("fidelity"), dict)]
+    peaks = [r.get("cache_peak_tokens") for r in recs if r.get("cache_peak_tokens") is not None]
+    return {
+        "run_id": run.run_id, "label": run.label, "model": run.model, "budget": run.budget,
+        "scorer": run.scorer, "accounting": run.accounting, "split": run.split, "n_problems": len(problems),
+        "n_records": len(recs), "accuracy": acc, "acc_ci95_lo": acc - 1.96 * se,
+        "acc_ci95_hi": acc + 1.96 * se,
+        "cache_mean_tokens": _mean(r.get("cache_mean_tokens") for r in recs),
+        "cache_peak_tokens": float(max(peaks)) if peaks else float("nan"),
+        "kib_per_token": _mean(r.get("kib_per_token") for r in recs),
+        "cache_mean_kib": _mean(r.get("cache_mean_kib") for r in recs),
+        "mean_output_tokens": _mean(r.get("output_tokens") for r in recs),
+        "truncation_rate": (float(np.mean([r.get("finish_reason") == "length" for r in recs]))
+                            if recs else float("nan")),
+        "budget_exceeded": int(sum(bool(r.get("budget_exceeded")) for r in recs)),
+        "ungradable": int(sum(r.get("verdict") is None for r in recs)),
+        "kl_mean": _mean(f.get("kl_mean") for f in fid) if fid else float("nan"),
+        "top1_agreement": _mean(f.get("top1_agreement") for f in fid) if fid else float("nan"),
+        "kl_max": _mean(f.get("kl_max") for f in fid) if fid else float("nan"),
+        # first step whose top-1 differs from the full cache; a record that never diverges counts
+        # as its length (so the median is not biased towards the records that did diverge)
+        "first_divergence_median": (float(np.median([f["first_divergence_step"] if f.get("first_divergence_step")
+                                                     is not None else f.get("steps", 0) for f in fid]))
+                                    if fid else float("nan")),
+        "fidelity_records": len(fid),
+        "tokens_per_second": _mean(r.get("tokens_per_second") for r in recs),
+        "plan_hash": run.plan_hash, "code_version": run.meta.get("code_version"),
+        "model_revision": run.config.get("model_revision"), "path": str(run.path),
+    }
+
+
+def subset_sizes(n: int, start: int = 25) -> list[int]:
+    """25, 50, 100, ... (doubling) below n, then n itself."""
+    sizes, s = [], start
+    while s < n:
+        sizes.append(s)
+        s *= 2
+    return sizes + [n]
+
+
+def effect_vs_n(data: stats.PairedData, *, seed: int, boot: int) -> list[dict]:
+    """Paired test on nested random subsets of the problems (one seeded permutation; the first
+    25, 50, ... problems), so a gain that shrinks with n is visible."""
+    order = np.random.default_rng(seed).permutation(data.n)
+    rows = []
+    for size in subset_sizes(data.n):
+        idx = np.sort(order[:size])
+        if size < 2:
+            continue
+        sub = stats.PairedData(data.clusters[idx], data.a[idx], data.b[idx], data.k)
+        r = stats.paired_test(sub, boot=boot, boot_max=boot, seed=seed)
+        rows.append({"n": size, "estimate": r.estimate, "se": r.se, "ci95_lo": r.ci95[0],
+                     "ci95_hi": r.ci95[1], "p_bootstrap": r.p_bootstrap, "p_z": r.p_z})
+    return rows
+
+
+def aggregate_trace(trace: list, points: int = 200) -> dict | None:
+    """Per-step cache length across records on a common step grid.
+
+    trace: lines {"steps": (T_r,), "tokens": (T_r,)}; returns grid (points,), mean/lo/hi (points,)
+    (mean and 10th/90th percentiles over records still decoding at that step), alive (points,).
+    """
+    series = [(np.asarray(t["steps"], float), np.asarray(t["tokens"], float)) for t in trace
+              if t.get("steps") and len(t["steps"]) == len(t.get("tokens", []))]
+    if not series:
+        return None
+    grid = np.linspace(0.0, max(s[-1] for s, _ in series), points)
+    mat = np.full((len(series), points), np.nan)
+    for i, (s, tok) in enumerate(series):
+        inside = (grid >= s[0]) & (grid <= s[-1])  # a finished record has no cache any more
+        mat[i, inside] = np.interp(grid[inside], s, tok)
+    alive = (~np.isnan(mat)).sum(axis=0)
+    keep = alive > 0
+    mat, alive = mat[:, keep], alive[keep]
+    return {"grid": grid[keep].tolist(), "mean": (np.nansum(mat, axis=0) / alive).tolist(),
+            "lo": _column_quantile(mat, alive, 0.1).tolist(),
+            "hi": _column_quantile(mat, alive, 0.9).tolist(), "alive": alive.tolist()}
+
+
+def _column_quantile(mat: np.ndarray, alive: np.ndarray, q: float) -> np.ndarray:
+    """Linear-interpolated q-quantile of each column of (R, P) `mat` over its non-NaN entries
+    (`alive` (P,) of them); vectorised because np.nanpercentile loops over columns in Python."""
+    srt = np.sort(mat, axis=0)  # NaN sorts last
+    pos = q * (alive - 1)
+    lo = np.floor(pos).astype(int)
+    hi = np.minimum(lo + 1, alive - 1)
+    cols = np.arange(mat.shape[1])
+    return srt[lo, cols] + (pos - lo) * (srt[hi, cols] - srt[lo, cols])
+
+
+def accounting_effects(rows: list[dict]) -> list[dict]:
+    """Iso-cache diagnostic: the same (cell, treatment, baseline) under `prefill` and `mean`
+    accounting side by side. A gain that holds only under `prefill` came from a larger mean cache."""
+    groups: dict = {}
+    for row in rows:
+        key = (row["model"], row["budget"], row["treatment"], row["baseline"])
+        groups.setdefault(key, {})[row["accounting"]] = row
+    out = []
+    for (model, budget, treat, base), modes in groups.items():
+        if "prefill" in modes and "mean" in modes:
+            pre, mean = modes["prefill"], modes["mean"]
+            out.append({
+                "model": model, "budget": budget, "treatment": treat, "baseline": base,
+                "delta_prefill_pp": pre["delta_pp"], "ci95_prefill": [pre["ci95_lo_pp"], pre["ci95_hi_pp"]],
+                "p_prefill": pre["p_bootstrap"], "cache_prefill": pre["t_cache_mean_tokens"],
+                "exceeded_prefill": pre["t_budget_exceeded"],
+                "delta_mean_pp": mean["delta_pp"], "ci95_mean": [mean["ci95_lo_pp"], mean["ci95_hi_pp"]],
+                "p_mean": mean["p_bootstrap"], "cache_mean": mean["t_cache_mean_tokens"],
+                "exceeded_mean": mean["t_budget_exceeded"],
+                "gain_vanishes": bool(pre["verdict"] == "better" and mean["verdict"] != "better"),
+            })
+    return out
+
+
+def proxy_agreement(arms: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Proxy-drift diagnostic: mean KL / top-1 agreement per arm beside accuracy, and the Spearman
+    correlation of each proxy with accuracy across configurations (needs >= 3 arms with fidelity)."""
+    from scipy.stats import spearmanr
+
+    rows = [{"label": a["label"], "model": a["model"], "budget": a["budget"],
+             "accounting": a["accounting"], "accuracy": a["accuracy"], "kl_mean": a["kl_mean"],
+             "top1_agreement": a["top1_agreement"], "fidelity_records": a["fidelity_records"]}
+            for a in arms if a["fidelity_records"] > 0]
+    corr = []
+    for proxy in ("kl_mean", "top1_agreement"):
+        pts = [(r[proxy], r["accuracy"]) for r in rows if np.isfinite(r[proxy])]
+        if len(pts) >= 3:
+            x, y = np.array(pts).T
+            if np.ptp(x) > 0 and np.ptp(y) > 0:
+                rho, p = spearmanr(x, y)
+                corr.append({"proxy": proxy, "n_configs": len(pts), "spearman_rho": float(rho),
+                             "p": float(p)})
+            else:
+                corr.append({"proxy": proxy, "n_configs": len(pts), "spearman_rho": float("nan"),
+                             "p": float("nan")})
+    return rows, corr

@@ -1,0 +1,294 @@
+"""Rendering a report: the terminal summary, LaTeX tables (booktabs) and the files of `--out`.
+
+`write_report` writes report.csv (one row per comparison), arms.csv, effect_vs_n.csv, the
+diagnostics CSVs, report.tex, report.json, the PNG figures (`protocol.report_figures`) and
+`report-files.json` (the listing), and returns every path it wrote, the listing included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from protocol.errors import ProtocolError
+from protocol.io import load_json_object
+
+REPORT_LISTING = "report-files.json"
+
+
+def _fmt_num(x, fmt: str) -> str:
+    return "-" if x is None or not np.isfinite(x) else format(x, fmt)
+
+
+def _fmt_budget(b) -> str:
+    return "full" if b is None else str(b)
+
+
+def _fmt_p(p) -> str:
+    if p is None or (isinstance(p, float) and np.isnan(p)):
+        return "--"
+    return f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}"
+
+
+def _text_table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) if i > 1 else c.ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def terminal_summary(rep) -> str:
+    """A compact text table of the arms, one of the comparisons, and one line per diagnostic."""
+    arm_head = ["arm", "model", "budget", "acct", "acc %", "mean cache", "peak", "KiB mean", "out len",
+                "trunc %", "KL mean", "top-1 %", "1st div", "tok/s"]
+    arm_body = [[a["label"], a["model"], _fmt_budget(a["budget"]), a["accounting"], f"{100 * a['accuracy']:.1f}",
+                 f"{a['cache_mean_tokens']:.1f}", f"{a['cache_peak_tokens']:.0f}", f"{a['cache_mean_kib']:.0f}",
+                 f"{a['mean_output_tokens']:.0f}", f"{100 * a['truncation_rate']:.0f}",
+                 _fmt_num(a["kl_mean"], ".4f"), _fmt_num(100 * a["top1_agreement"], ".1f"),
+                 _fmt_num(a["first_divergence_median"], ".0f"), f"{a['tokens_per_second']:.1f}"]
+                for a in rep.arms]
+    head = ["model", "budget", "treatment vs baseline", "acct", "acc T", "acc B", "Δ pp",
+            "95% CI", "p", "p_bonf", "verdict", "n", "k"]
+    body = [[r["model"], _fmt_budget(r["budget"]), f"{r['treatment']} vs {r['baseline']}",
+             r["accounting"], f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
+             f"{r['delta_pp']:+.2f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
+             _fmt_p(r["p_bootstrap"]), _fmt_p(r["p_bonferroni"]), r["verdict"], str(r["n"]),
+             str(r["k"])] for r in rep.comparisons]
+    out = [*unconfirmed_banner(rep), _text_table(arm_head, arm_body), "",
+           _text_table(head, body), *test_lines(rep)]
+    for r in rep.comparisons:
+        if r["confirmation"] not in ("dev", "confirmed"):
+            out.append(f"status {r['model']}/{_fmt_budget(r['budget'])} {r['treatment']} vs "
+                       f"{r['baseline']}: {r['confirmation']}")
+    for a in rep.accounting:
+        out.append(f"iso-cache {a['model']}/{_fmt_budget(a['budget'])} {a['treatment']} vs "
+                   f"{a['baseline']}: Δ {a['delta_prefill_pp']:+.2f} pp under prefill, "
+                   f"{a['delta_mean_pp']:+.2f} pp under mean"
+                   + ("  <- gain vanishes at equal mean cache" if a["gain_vanishes"] else ""))
+    for c in rep.proxy_corr:
+        if np.isfinite(c["spearman_rho"]):
+            out.append(f"proxy {c['proxy']}: Spearman rho = {c['spearman_rho']:+.2f} with accuracy "
+                       f"over {c['n_configs']} configurations (p = {_fmt_p(c['p'])})")
+        else:
+            out.append(f"proxy {c['proxy']}: correlation with accuracy undefined over {c['n_configs']} "
+                       "configurations (accuracy or proxy constant)")
+    from protocol.report_fidelity import summary_lines
+
+    out += summary_lines(rep.fidelity)
+    prov = rep.provenance
+    if prov["plan_hashes"]:
+        out.append(f"plan: {', '.join(h[:12] for h in prov['plan_hashes'])}; "
+                   f"{len(prov['deviations'])} deviation(s) logged")
+    out += [f"note: {n}" for n in rep.notes]
+    return "\n".join(out)
+
+
+def tests_used(rep) -> list[dict]:
+    """The distinct tests of the comparison rows, each with its source and how many rows use it."""
+    tests: dict = {}
+    for r in rep.comparisons:
+        key = (r["test_source"], r["boot_requested"], r["boot_max"], r["seed"], r["m"], r["alpha"])
+        tests.setdefault(key, {"source": key[0], "boot": key[1], "boot_max": key[2], "seed": key[3],
+                               "m": key[4], "alpha": key[5], "rows": 0})["rows"] += 1
+    return list(tests.values())
+
+
+def test_lines(rep) -> list[str]:
+    """One line per test used: a confirmed cell's is the registered one, and says so."""
+    return [f"{t['source']}: cluster bootstrap B={t['boot']} (max {t['boot_max']}) seed={t['seed']}, "
+            f"Bonferroni over m={t['m']} at alpha={t['alpha']} ({t['rows']} comparison(s))"
+            for t in tests_used(rep)]
+
+
+def unconfirmed_banner(rep) -> list[str]:
+    """Lines shouting that confirm-split numbers lack a valid confirmation (empty when all hold)."""
+    bad = rep.provenance.get("unconfirmed") or {}
+    if not bad:
+        return []
+    bar = "!" * 78
+    return [bar, f"!!! UNCONFIRMED: {len(bad)} confirm-split run(s) have no valid ledger entry or were "
+                 "changed since confirmation.", "!!! Their comparisons are NOT pre-registered evidence:",
+            *(f"!!!   {run_id}: {why}" for run_id, why in sorted(bad.items())), bar, ""]
+
+
+_TEX_ESCAPES = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+                "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}",
+                "^": r"\textasciicircum{}"}
+
+
+def tex_escape(text) -> str:
+    return "".join(_TEX_ESCAPES.get(ch, ch) for ch in str(text))
+
+
+def _tex_p(p) -> str:
+    if p is None or (isinstance(p, float) and np.isnan(p)):
+        return "--"
+    if p >= 1e-3:
+        return f"{p:.2g}"
+    mant, exp = f"{p:.1e}".split("e")
+    return f"${mant}\\times 10^{{{int(exp)}}}$"
+
+
+def _tex_num(x, fmt: str) -> str:
+    return "--" if x is None or (isinstance(x, float) and np.isnan(x)) else format(x, fmt)
+
+
+def _tabular(caption: str, label: str, spec: str, header: list[str], rows: list[list[str]]) -> str:
+    lines = [r"\begin{table}[t]", r"\centering", r"\small", f"\\caption{{{caption}}}",
+             f"\\label{{{label}}}", f"\\begin{{tabular}}{{{spec}}}", r"\toprule",
+             " & ".join(header) + r" \\", r"\midrule"]
+    lines += [" & ".join(r) + r" \\" for r in rows]
+    lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
+    return "\n".join(lines)
+
+
+def to_latex(rep) -> str:
+    """LaTeX tables (booktabs rules only: \\toprule, \\midrule, \\bottomrule)."""
+    main = [[tex_escape(r["model"]), _fmt_budget(r["budget"]), tex_escape(r["treatment"]),
+             tex_escape(r["baseline"]), tex_escape(r["accounting"]),
+             f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
+             f"{r['delta_pp']:+.1f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
+             f"[{r['ci_bonf_lo_pp']:+.1f}, {r['ci_bonf_hi_pp']:+.1f}]", _tex_p(r["p_bootstrap"]),
+             _tex_p(r["p_bonferroni"]), tex_escape(r["verdict"]), str(r["k"]), str(r["n"])]
+            for r in rep.comparisons]
+    tests = tests_used(rep)
+    level = (f"{100 * (1 - tests[0]['alpha'] / tests[0]['m']):.4g}\\% CI" if len(tests) == 1
+             else "Bonferroni CI")
+    described = "; ".join(f"{tex_escape(t['source'])}: $B={t['boot']}$ (max {t['boot_max']}), seed {t['seed']}, "
+                          f"Bonferroni over $m={t['m']}$ cells at $\\alpha={t['alpha']}$" for t in tests)
+    out = ["% Generated by `retention report`; needs \\usepackage{booktabs}.",
+           _tabular(f"Paired accuracy per cell (cluster bootstrap over problems; {described}).",
+                    "tab:retention-main", "lllllrrrccrrlrr",
+                    ["Model", "Budget", "Treatment", "Baseline", "Acct.", "Acc.~T (\\%)",
+                     "Acc.~B (\\%)", "$\\Delta$ (pp)", "95\\% CI",
+                     level, "$p$", "$p_{\\mathrm{Bonf}}$", "Verdict", "$k$", "$n$"],
+                    main)]
+    arms = [[tex_escape(a["model"]), _fmt_budget(a["budget"]), tex_escape(a["label"]),
+             tex_escape(a["accounting"]), f"{100 * a['accuracy']:.1f}",
+             _tex_num(a["cache_mean_tokens"], ".0f"), _tex_num(a["cache_peak_tokens"], ".0f"),
+             _tex_num(a["kib_per_token"], ".1f"), _tex_num(a["mean_output_tokens"], ".0f"),
+             _tex_num(100 * a["truncation_rate"], ".1f"), str(a["budget_exceeded"])]
+            for a in rep.arms]
+    out.append(_tabular("Measured cache and generation per arm.", "tab:retention-arms",
+                        "llllrrrrrrr",
+                        ["Model", "Budget", "Arm", "Acct.", "Acc. (\\%)", "Mean cache",
+                         "Peak cache", "KiB/token", "Mean len.", "Trunc. (\\%)", "Exceeded"], arms))
+    if rep.accounting:
+        acc = [[tex_escape(a["model"]), _fmt_budget(a["budget"]), tex_escape(a["treatment"]),
+                tex_escape(a["baseline"]), f"{a['delta_prefill_pp']:+.1f}", _tex_p(a["p_prefill"]),
+                f"{a['delta_mean_pp']:+.1f}", _tex_p(a["p_mean"])] for a in rep.accounting]
+        out.append(_tabular("Iso-cache check: the same comparison under \\texttt{prefill} and "
+                            "\\texttt{mean} budget accounting.", "tab:retention-isocache",
+                            "llllrrrr", ["Model", "Budget", "Treatment", "Baseline",
+                                         "$\\Delta$ prefill", "$p$", "$\\Delta$ mean", "$p$"], acc))
+    if rep.subsets:
+        sizes = sorted({r["n"] for r in rep.subsets})
+        table: dict = {}
+        for r in rep.subsets:
+            key = (r["model"], r["budget"], r["treatment"], r["baseline"], r["accounting"])
+            table.setdefault(key, {})[r["n"]] = r["estimate"]
+        body = [[tex_escape(k[0]), _fmt_budget(k[1]), tex_escape(f"{k[2]} vs {k[3]} ({k[4]})"),
+                 *[_tex_num(None if n not in v else 100 * v[n], "+.1f") for n in sizes]]
+                for k, v in table.items()]
+        out.append(_tabular("Effect (pp) on nested random subsets of problems.",
+                            "tab:retention-subsets", "lll" + "r" * len(sizes),
+                            ["Model", "Budget", "Comparison", *[f"$n={n}$" for n in sizes]], body))
+    if rep.proxy:
+        body = [[tex_escape(p["model"]), _fmt_budget(p["budget"]), tex_escape(p["label"]),
+                 tex_escape(p["accounting"]), f"{100 * p['accuracy']:.1f}", _tex_num(p["kl_mean"], ".3g"),
+                 _tex_num(p["top1_agreement"], ".3f")] for p in rep.proxy]
+        cap = "Proxy metrics against the full cache beside accuracy."
+        for c in rep.proxy_corr:
+            cap += (f" Spearman $\\rho$ ({tex_escape(c['proxy'])}, accuracy) $= "
+                    f"{_tex_num(c['spearman_rho'], '+.2f')}$ over {c['n_configs']} configurations.")
+        out.append(_tabular(cap, "tab:retention-proxy", "llllrrr",
+                            ["Model", "Budget", "Arm", "Acct.", "Acc. (\\%)", "KL", "Top-1 agr."],
+                            body))
+    prov = rep.provenance
+    if prov.get("unconfirmed"):
+        out.append("\\begin{center}\\fbox{\\Large\\textbf{UNCONFIRMED: "
+                   f"{len(prov['unconfirmed'])} confirm-split run(s) without a valid ledger entry; "
+                   "not pre-registered evidence}}\\end{center}")
+    if prov["plan_hashes"] or prov["deviations"]:
+        out.append("\\paragraph{Pre-registration.} Plan "
+                   + ", ".join(f"\\texttt{{{h[:12]}}}" for h in prov["plan_hashes"]) + ". "
+                   + (f"{len(prov['deviations'])} deviation(s) from the plan:" if prov["deviations"]
+                      else "No deviations from the plan."))
+        if prov["deviations"]:
+            out.append("\\begin{itemize}")
+            for d in prov["deviations"]:
+                detail = {k: v for k, v in d.items() if k not in ("prev", "hash", "plan_hash", "at")}
+                out.append(f"\\item {tex_escape(json.dumps(detail, sort_keys=True))}")
+            out.append("\\end{itemize}")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_report(rep, out_dir) -> list[Path]:
+    """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically).
+
+    `report-files.json` lists what was written; files of an earlier report into the same folder
+    that this one does not write (a figure of a cell no longer present) are removed, so the folder
+    never mixes two reports. Files the report did not write are never touched.
+    """
+    import pandas as pd
+
+    from protocol.io import dumps, ensure_dir, write_atomic
+    from protocol import report_figures
+
+    out_dir = ensure_dir(Path(out_dir), "report folder")
+    listing = out_dir / REPORT_LISTING
+    previous = []
+    if listing.exists():
+        try:
+            previous = [str(n) for n in load_json_object(listing, "report listing").get("files", [])]
+        except ProtocolError:
+            previous = []
+    written = []
+
+    def put(name: str, data: str | bytes) -> None:
+        write_atomic(out_dir / name, data)
+        written.append(out_dir / name)
+
+    put("report.csv", pd.DataFrame(rep.comparisons).to_csv(index=False))
+    put("arms.csv", pd.DataFrame(rep.arms).to_csv(index=False))
+    put("effect_vs_n.csv", pd.DataFrame(rep.subsets).to_csv(index=False))
+    if rep.accounting:
+        put("diag_accounting.csv", pd.DataFrame(rep.accounting).to_csv(index=False))
+    if rep.proxy:
+        put("diag_proxy.csv", pd.DataFrame(rep.proxy).to_csv(index=False))
+    if rep.fidelity:
+        put("fidelity_exploratory.csv", pd.DataFrame(rep.fidelity).to_csv(index=False))
+    put("report.tex", to_latex(rep))
+    put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
+    figures, figure_notes = report_figures.render_all(rep)
+    for name, png in figures.items():
+        put(name, png)
+    rep.notes += [f"figure {n}" for n in figure_notes if f"figure {n}" not in rep.notes]
+    names = {p.name for p in written}
+    for stale in sorted(set(previous) - names):
+        path = out_dir / Path(stale).name  # names only: never a path outside out_dir
+        if path.is_file():
+            path.unlink()
+    write_atomic(listing, dumps({"files": sorted(names)}, indent=1) + "\n")
+    return [*written, listing]
+
+
+
+def json_safe(obj):
+    """Plain JSON: numpy scalars to Python, NaN/inf to null, paths to strings."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return json_safe(obj.tolist())
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if np.isfinite(obj) else None
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
