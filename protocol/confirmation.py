@@ -61,6 +61,16 @@ def _mismatches(expected: dict, actual: dict, prefix: str = "") -> list[dict]:
     return out
 
 
+def _planned_as_recorded(cfg: dict) -> dict:
+    """The planned arm configuration in the form a run records it: a run names its calibration
+    statistics by content (`scorer_params.stats = "sha256:<hex>"`), so a planned statistics path is
+    compared through the cell's registered `stats_sha256` (the file at the path is not the identity)."""
+    stats = (cfg.get("scorer_params") or {}).get("stats")
+    if isinstance(stats, str) and not stats.startswith("sha256:") and cfg.get("stats_sha256"):
+        return dict(cfg, scorer_params=dict(cfg["scorer_params"], stats=f"sha256:{cfg['stats_sha256']}"))
+    return cfg
+
+
 def _read_run_config(run_dir: Path) -> dict:
     try:
         return load_json_object(Path(run_dir) / "config.json", "run configuration")
@@ -223,7 +233,7 @@ def _confirm_cells(plan, h, plan_path, out_dir, runner, wanted, by_id, configs, 
                 deviate("invalid_run", cid, {"arm": arm, "split": actual.get("split")})
                 raise ProtocolError(f"{run_dir} did not run on the confirm split "
                                     f"(split={actual.get('split')!r})")
-            for mm in _mismatches(cfg, actual):
+            for mm in _mismatches(_planned_as_recorded(cfg), actual):
                 dev_ids.append(deviate("config_mismatch", cid, {"arm": arm, **mm}))
             runs[arm] = (run_dir, meta)
         entry = _finish_cell(plan, h, cell, runs, out_dir, code_version, grade, deviate, dev_ids)
