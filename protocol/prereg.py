@@ -33,6 +33,9 @@ The runner contract (the real generation runner is plugged in by the CLI layer):
 * `out_dir` is where to create the run directory (`<confirm out>/runs/<cell id>/`);
 * a plan may register its runner (`plan["runner"]`, MODULE:FUNCTION); `confirm` records the runner
   it used, and one the plan did not register is a deviation of each cell;
+* a runner that takes a `shard` keyword can generate a confirmation in shards (`confirm --shard
+  I/N`): called with `shard=`, it only generates that shard's pairs (no result); the plain call that
+  follows merges the shards and returns the complete run directory;
 * it returns a run directory holding `config.json` and `records.jsonl` (docs/records.md) and raises
   on failure (the crash is logged as a deviation and the cell can be rerun). A `ProtocolError`
   means bad input (a file, an option) and is raised as is, never logged as a crash.

@@ -17,14 +17,17 @@ from pathlib import Path
 from retention.errors import RetentionError
 
 
-def generate_confirm_shard(plan_path: Path, out: Path, shard, *, cells=None, overrides: dict | None = None,
+def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, cells=None,
+                           overrides: dict | None = None,
                            reason: str | None = None, manifest_hash: str | None = None,
                            validate: Callable[[dict], None] | None = None, registry=None,
                            log: Callable[[str], None] = print) -> list[Path]:
     """Generate shard `shard` of the plan's open cells into `out/runs/<cell>/`; returns the run dirs.
 
-    validate: called with every arm configuration before anything is written (input errors);
-    registry: the user-level registry (default: `protocol.ledger.Registry()`)."""
+    runner: the plan's registered runner (default: the built-in `retention.jobs.confirm_runner`); it
+    must take a `shard` keyword, with which it only generates that shard's pairs (the runner contract
+    of `protocol.prereg`); validate: called with every arm configuration before anything is written
+    (input errors); registry: the user-level registry (default: `protocol.ledger.Registry()`)."""
     from protocol import prereg
     from protocol.ledger import Registry
     from retention.jobs import confirm_runner
@@ -34,9 +37,10 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, cells=None, ove
     if current != plan["split_manifest_sha256"]:
         raise RetentionError(f"split manifest {current[:12]} differs from the registered "
                              f"{plan['split_manifest_sha256'][:12]}: refusing to generate")
-    if plan.get("runner", prereg.DEFAULT_RUNNER_SPEC) != prereg.DEFAULT_RUNNER_SPEC:
-        raise RetentionError(f"plan {h[:12]} registers the runner {plan['runner']}; --shard generates with the "
-                             "built-in runner only: run confirm without --shard")
+    runner = runner or confirm_runner
+    if not _takes_shard(runner):
+        raise RetentionError(f"the runner {plan.get('runner', prereg.DEFAULT_RUNNER_SPEC)} of plan {h[:12]} takes no "
+                             "`shard` keyword, so it cannot generate shards: run confirm without --shard")
     if overrides and not reason:
         raise RetentionError("overriding the registered configuration needs a reason (deviation log)")
     registry = registry or Registry()
@@ -67,7 +71,20 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, cells=None, ove
         for arm in prereg.ARMS:
             cfg = configs[(cid, arm)]
             log(f"{cid}: shard {shard} of {arm} ({cfg.get('scorer')})")
-            dirs.append(Path(confirm_runner(dict(by_id[cid]), arm, cfg, Path(out) / "runs" / cid, shard=shard)))
+            dirs.append(Path(runner(dict(by_id[cid]), arm, cfg, Path(out) / "runs" / cid, shard=shard)))
     log(f"shard {shard} of {len(wanted)} cell(s) generated; when every shard is done, run "
         f"`retention confirm --plan {plan_path} --out {out}` to merge and confirm")
     return dirs
+
+
+def _takes_shard(runner) -> bool:
+    """Whether `runner` accepts a `shard` keyword (named, or through **kwargs)."""
+    import functools
+    import inspect
+
+    target = runner.func if isinstance(runner, functools.partial) else runner
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "shard" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

@@ -78,10 +78,13 @@ def _regrade(run_dir: Path, verdict) -> None:
 
 
 def oracle_runner(cell, arm, arm_config, out_dir, **kw):
-    """The real confirm runner, then the seeded oracle's grades (see the module docstring)."""
+    """The real confirm runner, then the seeded oracle's grades (see the module docstring). With
+    `shard=` it only generates that shard (a shard is not a result); the final call merges and grades."""
     from retention.jobs import confirm_runner
 
     run_dir = Path(confirm_runner(cell, arm, arm_config, out_dir, **kw))
+    if kw.get("shard") is not None:
+        return run_dir
     _regrade(run_dir, lambda r: _oracle_verdict(cell["id"], arm, r["problem_id"], r["sample"], cell["budget"]))
     return run_dir
 
@@ -217,6 +220,15 @@ def test_the_study_at_its_real_shape(tmp_path, monkeypatch):
                 cli("run", "--model", model, "--scorer", "alpha", "--lambda", lam, "--baseline", "triattention",
                     "--budget", budget, "--interval", 8, "--limit", 4, "--samples", K, "--max-new-tokens", TOKENS,
                     "--temperature", 0.7, "--out", dev, "--quiet")
+    # the same statistics under another cache root are the same arm: the run resumes, nothing new
+    moved = tmp_path / "cache-moved"
+    shutil.copytree(cache, moved)
+    monkeypatch.setenv("RETENTION_CACHE_DIR", str(moved))
+    before = sorted(p.name for p in dev.iterdir())
+    out = cli("run", "--model", models[1], "--scorer", "alpha", "--lambda", lambdas[0], "--baseline", "triattention",
+              "--budget", BUDGETS[0], "--interval", 8, "--limit", 4, "--samples", K, "--max-new-tokens", TOKENS,
+              "--temperature", 0.7, "--out", dev, "--quiet").output
+    assert sorted(p.name for p in dev.iterdir()) == before and "8 records" in out
     cli("report", dev, "--baseline", "triattention", "--out", tmp_path / "dev-report", "--boot", 1000)
     dev_rows = read_csv(tmp_path / "dev-report" / "report.csv")
     # every (model, budget, lambda) arm against its own model's baseline: none dropped, m = 8
@@ -251,7 +263,7 @@ def test_the_study_at_its_real_shape(tmp_path, monkeypatch):
     cli("confirm", "--plan", plan, "--out", conf, "--shard", "0/2")
     assert kill_mid_shard(env, plan, conf, "1/2"), "shard 1/2 finished before it could be killed"
     cli("confirm", "--plan", plan, "--out", conf, "--shard", "1/2")
-    cli("confirm", "--plan", plan, "--out", conf, "--runner", RUNNER)
+    cli("confirm", "--plan", plan, "--out", conf)  # the plan's registered runner
     ledger = [e for e in read_jsonl(conf / "ledger.jsonl") if e.get("kind") == "cell"]
     assert len(ledger) == 4 and all(e["test"]["boot"] == BOOT and e["test"]["m"] == 4 for e in ledger)
 
@@ -293,6 +305,15 @@ def test_the_study_at_its_real_shape(tmp_path, monkeypatch):
         assert len(read_csv(tmp_path / "r3" / "report.csv")) == 4
     else:
         assert "twice" in res.output or "same run" in res.output
+
+    # a record of another configuration pasted into a run is refused, not counted
+    pasted = tmp_path / "pasted"
+    shutil.copytree(conf / "runs", pasted)
+    a, b = sorted(pasted.rglob("records.jsonl"))[:2]
+    with open(a, "a") as fh:
+        fh.write(b.read_text().splitlines()[0] + "\n")
+    res = cli("report", pasted, "--out", tmp_path / "r4", ok=False)
+    assert res.exit_code == 1 and "another configuration" in res.output.strip().splitlines()[-1]
 
     # one confirmation per cell: the same arms re-registered with another seed are refused
     res = cli(*prereg, "--seed", 1, "--runner", RUNNER, ok=False)

@@ -401,10 +401,13 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
         from retention.confirm_shard import generate_confirm_shard
         from retention.shard import parse_shard
 
-        if runner_spec is not None:
-            raise click.ClickException("--runner cannot be combined with --shard (shards generate with the "
-                                       "built-in runner)")
-        generate_confirm_shard(plan_path, out, parse_shard(shard_text), cells=list(cells) or None,
+        runner, spec = _resolve_runner(runner_spec, plan)
+        if spec is not None and spec != plan.get("runner", prereg.DEFAULT_RUNNER_SPEC):
+            raise click.ClickException(f"--runner {spec} is not the plan's registered runner: shards are generated "
+                                       "only by the registered one (a shard writes no ledger entry to record it)")
+        if runner is getattr(jobs, "confirm_runner", None):
+            runner = functools.partial(runner, splits_dir=splits_dir)
+        generate_confirm_shard(plan_path, out, parse_shard(shard_text), runner=runner, cells=list(cells) or None,
                                overrides=override_map, reason=reason, manifest_hash=manifest_hash,
                                validate=_validate_confirm_arm, log=click.echo)
         return
