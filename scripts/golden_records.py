@@ -178,7 +178,8 @@ def _refusal(model: str, scorer: str, out: Path, stats: str | None) -> str | Non
                                     "--no-grade", "--quiet", "--out", str(out / "refused")])
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     if res.exit_code != 1 or len(lines) != 1 or not lines[0].startswith("Error: "):
-        raise RuntimeError(f"{model}/{scorer}: expected one Error: line and exit 1, got {res.exit_code}: {res.stderr!r}")
+        raise RuntimeError(f"{model}/{scorer}: expected one Error: line and exit 1, got {res.exit_code}: "
+                           f"{res.stderr!r}")
     return lines[0]
 
 
@@ -219,7 +220,8 @@ def run_one(model: str, scorer: str, batch_size: int, problems, out: Path, stats
                              seed=SEED, sampling=sampling, fidelity=True, grade=False,
                              out=out / f"b{batch_size}", progress=False, problems=problems, batch_size=batch_size)
     records = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines()]
-    traces = {(t["problem_id"], t["sample"]): t for t in map(json.loads, (run_dir / "trace.jsonl").read_text().splitlines())}
+    trace_rows = map(json.loads, (run_dir / "trace.jsonl").read_text().splitlines())
+    traces = {(t["problem_id"], t["sample"]): t for t in trace_rows}
     out_records = []
     for rec in sorted(records, key=lambda r: (r["problem_id"], r["sample"])):
         trace = traces[(rec["problem_id"], rec["sample"])]

@@ -3,8 +3,9 @@
 The parameter counts of `../shared/docs` (issue 14) are reproduced by counting the parameters of
 `ArchLM` built from these configurations on the meta device (`retention.arch.model.count_parameters`,
 no memory, no weights): nothing here states a count. This module imports nothing from the model
-(the model is built from these configurations, never the reverse). Where a document gives a count but not the whole structure behind it, the record
-says what was derived and by which rule (`PARAMETER_NOTES`).
+(the model is built from these configurations, never the reverse). Where a document gives a count
+but not the whole structure behind it, the record says what was derived and by which rule
+(`PARAMETER_NOTES`).
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ def documented_parameters(name: str) -> dict:
     that has a configuration, with a note where part of the configuration is derived; `{}` otherwise."""
     if name not in DOCUMENTED_CONFIGS:
         return {}
-    out = {"parameters": count_parameters(DOCUMENTED_CONFIGS[name]), "parameters_documented": DOCUMENTED_PARAMETERS[name]}
+    out = {"parameters": count_parameters(DOCUMENTED_CONFIGS[name]),
+           "parameters_documented": DOCUMENTED_PARAMETERS[name]}
     if name in PARAMETER_NOTES:
         out["parameters_note"] = PARAMETER_NOTES[name]
     return out

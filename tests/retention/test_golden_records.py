@@ -41,7 +41,8 @@ def test_golden_runs_reproduce(model):
     key = lambda r: (r["scorer"], r["batch_size"])  # noqa: E731
     by_key = {key(r): r for r in recorded}
     assert sorted(by_key) == sorted(map(key, fresh))
-    diffs = [d for r in fresh for d in golden.differences(by_key[key(r)], r, f"{model}/{r['scorer']}/b{r['batch_size']}")]
+    diffs = [d for r in fresh
+             for d in golden.differences(by_key[key(r)], r, f"{model}/{r['scorer']}/b{r['batch_size']}")]
     assert diffs == []
 
 
@@ -71,16 +72,28 @@ def test_comparison_catches_changes():
     """The comparison is not vacuous: a changed token, kept set, count or float beyond 1e-12 fails."""
     run = next(r for r in golden.load_recorded() if r["refusal"] is None and r["scorer"] == "h2o")
     assert golden.differences(run, copy.deepcopy(run)) == []
-    for mutate in (lambda r: r["records"][0]["output_token_ids"].__setitem__(3, r["records"][0]["output_token_ids"][3] + 1),
-                   lambda r: r["kept"].__setitem__(1, [r["kept"][1][0], "0" * 16]),
-                   lambda r: r["records"][1].__setitem__("compactions", r["records"][1]["compactions"] + 1),
-                   lambda r: r["records"][0]["fidelity"].__setitem__("kl_mean",
-                                                                     r["records"][0]["fidelity"]["kl_mean"] * (1 + 1e-10)),
-                   lambda r: r["records"][0].__setitem__("cache_mean_tokens", r["records"][0]["cache_mean_tokens"] + 1e-9),
-                   lambda r: r.__setitem__("refusal", "Error: no")):
+    def tokens(r):
+        r["records"][0]["output_token_ids"][3] += 1
+
+    def kept(r):
+        r["kept"][1][1] = "0" * 16
+
+    def compactions(r):
+        r["records"][1]["compactions"] += 1
+
+    def kl(r):
+        r["records"][0]["fidelity"]["kl_mean"] *= 1 + 1e-10
+
+    def mean_cache(r):
+        r["records"][0]["cache_mean_tokens"] += 1e-9
+
+    def refusal(r):
+        r["refusal"] = "Error: no"
+
+    for mutate in (tokens, kept, compactions, kl, mean_cache, refusal):
         changed = copy.deepcopy(run)
         mutate(changed)
-        assert golden.differences(run, changed) != []
+        assert golden.differences(run, changed) != [], mutate.__name__
     close = copy.deepcopy(run)
     close["records"][0]["fidelity"]["kl_mean"] *= 1 + 1e-14
     assert golden.differences(run, close) == []
