@@ -4,12 +4,14 @@ The scan reads every module of `retention/` and `protocol/` with `ast` and follo
 statement wherever it stands: at module level and inside functions (a function-level import is a
 cycle deferred to call time, still a cycle of the design). Imports under `if TYPE_CHECKING:` are
 never executed and are skipped. `from a.b import c` is an edge to `a.b.c` when that is a module,
-else to `a.b`. Importing a module also runs its packages' `__init__`; those implicit edges are not
-counted (every module would otherwise sit in a cycle with its package's `__init__`).
+else to `a.b`. `importlib.import_module("a.b")` is an edge to `a.b`; `import_module(f"a.{x}")` (a
+registry loading its modules by name) an edge to every module under `a.` (an over-approximation).
+Importing a module also runs its packages' `__init__`; those implicit edges are not counted (every
+module would otherwise sit in a cycle with its package's `__init__`).
 
-`retention/arch/` is checked strictly. Cycles elsewhere are listed in `KNOWN_CYCLES` (other parts
-of the code are being reworked; issue 20 item 5): the strict-xfail test fails as soon as one of
-them is gone, so whoever removes a cycle must remove it from the list, and
+`retention/arch/` is checked strictly. Cycles elsewhere are listed in `KNOWN_CYCLES` by the package
+that holds them (other parts of the code are being reworked; issue 20 item 5): the strict-xfail
+test fails as soon as they are all gone, so whoever removes one must remove it from the list, and
 `test_no_new_cycles` fails on any cycle not listed.
 """
 
@@ -49,6 +51,23 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _is_import_module(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id == "import_module")
+
+
+def _dynamic_targets(arg: ast.expr, known: set[str]) -> set[str]:
+    """Modules an `import_module(arg)` may load: a literal name exactly; an f-string by its literal
+    prefix, as every module under that prefix (an over-approximation: a registry loop over a list of
+    names); a name computed otherwise is not followed."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return {arg.value} & known
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        prefix = str(arg.values[0].value)
+        return {m for m in known if m.startswith(prefix) and m != prefix.rstrip(".") and not m.endswith(".__main__")}
+    return set()
+
+
 def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
     """Modules of `known` that `module` imports anywhere in its body (see the module docstring)."""
     found: set[str] = set()
@@ -80,6 +99,8 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> s
                 t = target(f"{src}.{alias.name}") if f"{src}.{alias.name}" in known else target(src)
                 if t:
                     found.add(t)
+        elif isinstance(node, ast.Call) and _is_import_module(node.func) and node.args:
+            found.update(_dynamic_targets(node.args[0], known))
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -129,10 +150,18 @@ def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
     return sorted(out)
 
 
-# Cycles outside retention/arch found by this scan (2026-12-01: none; the only cycle was
-# retention.arch.configs <-> retention.arch.model, removed). Dynamic imports by computed name
-# (`importlib.import_module(f"...{name}")`, the scorer and CLI registries) are not followed.
-KNOWN_CYCLES: list[tuple[str, ...]] = []
+# Cycles outside retention/arch found by this scan on 2026-12-01, by the package that holds each
+# (the cycle retention.arch.configs <-> retention.arch.model was removed). A cycle counts as known
+# when all its modules lie in one of these packages, so a new module joining the same cycle does
+# not fail the test, while a cycle reaching outside does.
+KNOWN_CYCLES: dict[str, str] = {
+    "retention.scorers": "the registry: retention/scorers/__init__.py imports every scorer module by name "
+                         "(`_load_all`) and each scorer module imports `register` from retention.scorers",
+}
+
+
+def _known(cycle: tuple[str, ...]) -> bool:
+    return any(all(m == pkg or m.startswith(pkg + ".") for m in cycle) for pkg in KNOWN_CYCLES)
 
 
 def test_scan_sees_function_level_imports():
@@ -151,6 +180,15 @@ def test_graph_covers_the_packages():
     graph = import_graph()
     assert "retention.arch.model" in graph and "protocol.io" in graph
     assert "retention.arch.configs" in graph["retention.arch.model"]
+    assert "retention.scorers.h2o" in graph["retention.scorers"]  # followed through import_module(f"...")
+
+
+def test_dynamic_import_targets():
+    known = {"pkg", "pkg.a", "pkg.b", "pkg.__main__", "other"}
+    call = lambda src: ast.parse(src).body[0].value.args[0]  # noqa: E731
+    assert _dynamic_targets(call('importlib.import_module("other")'), known) == {"other"}
+    assert _dynamic_targets(call('importlib.import_module(f"pkg.{name}")'), known) == {"pkg.a", "pkg.b"}
+    assert _dynamic_targets(call("importlib.import_module(name)"), known) == set()
 
 
 def test_no_cycle_touches_retention_arch():
@@ -160,12 +198,13 @@ def test_no_cycle_touches_retention_arch():
 
 def test_no_new_cycles():
     """Every cycle is one of KNOWN_CYCLES (a new one fails here)."""
-    new = [c for c in cycles(import_graph()) if c not in KNOWN_CYCLES]
+    new = [c for c in cycles(import_graph()) if not _known(c)]
     assert new == []
 
 
 @pytest.mark.xfail(bool(KNOWN_CYCLES), strict=True,
-                   reason=f"known import cycles outside retention/arch: {KNOWN_CYCLES}")
+                   reason="known import cycles outside retention/arch: "
+                          + "; ".join(f"{k} ({v})" for k, v in KNOWN_CYCLES.items()))
 def test_no_import_cycles_anywhere():
     assert cycles(import_graph()) == []
 
