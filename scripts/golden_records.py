@@ -245,7 +245,9 @@ def manifest() -> dict:
     import torch
     import transformers
 
-    return {"models": list(MODELS), "scorers": list(SCORERS), "batch_sizes": list(BATCH_SIZES), "dtype": DTYPE,
+    from retention.runner import code_version
+
+    return {"code_version": code_version(), "models": list(MODELS), "scorers": list(SCORERS), "batch_sizes": list(BATCH_SIZES), "dtype": DTYPE,
             "limit": LIMIT, "max_new_tokens": MAX_NEW_TOKENS, "budget": BUDGET, "interval": INTERVAL,
             "accounting": "mean", "seed": SEED, "temperature": 0.0, "ignore_eos": True, "fidelity": True,
             "split": "dev", "rtol": RTOL, "atol": ATOL, "recorded_with": {"torch": torch.__version__,
