@@ -138,6 +138,20 @@ def _float64_admitted():
 
 
 @contextlib.contextmanager
+def _one_thread():
+    """One intra-op thread while recording: tiny models gain nothing from more, and on a loaded
+    machine several threads per op made a check several times slower (the records were the same)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def _private_dirs():
     """A temporary state and cache root (never the user's), and the folder run directories go to."""
     saved = {k: os.environ.get(k) for k in ("RETENTION_STATE_DIR", "RETENTION_CACHE_DIR")}
@@ -235,7 +249,7 @@ def record_model(model: str) -> list[dict]:
     """Every golden run of one model (all scorers, both batch sizes), in a fresh private folder."""
     from protocol.splits import load_split
 
-    with _private_dirs() as tmp, _float64_admitted():
+    with _private_dirs() as tmp, _float64_admitted(), _one_thread():
         problems = load_split("dev")[:LIMIT]
         stats = _stats_file(model, tmp) if model == "tiny-random" else None
         return [run_one(model, s, b, problems, tmp / s, stats) for s in SCORERS for b in BATCH_SIZES]
