@@ -1,9 +1,11 @@
 """Architectures as data: one `ArchConfig` per layout family, the documented configurations.
 
 The parameter counts of `../shared/docs` (issue 14) are reproduced by counting the parameters of
-`ArchLM` built from these configurations on the meta device (no memory, no weights): nothing here
-states a count. Where a document gives a count but not the whole structure behind it, the record
-says what was derived and by which rule (`PARAMETER_NOTES`).
+`ArchLM` built from these configurations on the meta device (`retention.arch.model.count_parameters`,
+no memory, no weights): nothing here states a count. This module imports nothing from the model
+(the model is built from these configurations, never the reverse). Where a document gives a count
+but not the whole structure behind it, the record says what was derived and by which rule
+(`PARAMETER_NOTES`).
 """
 
 from __future__ import annotations
@@ -138,28 +140,6 @@ PARAMETER_NOTES: dict[str, str] = {
         "total, as the documents match the other variants through their widths"
     ),
 }
-
-
-def count_parameters(config: ArchConfig) -> int:
-    """Parameters of `ArchLM(config)`, counted on the meta device (nothing allocated)."""
-    import torch
-
-    from retention.arch.model import ArchLM
-
-    with torch.device("meta"):
-        model = ArchLM(config)
-    return sum(p.numel() for p in model.parameters())
-
-
-def documented_parameters(name: str) -> dict:
-    """`parameters` (counted from the module) and `parameters_documented` for a documented layout
-    that has a configuration, with a note where part of the configuration is derived; `{}` otherwise."""
-    if name not in DOCUMENTED_CONFIGS:
-        return {}
-    out = {"parameters": count_parameters(DOCUMENTED_CONFIGS[name]), "parameters_documented": DOCUMENTED_PARAMETERS[name]}
-    if name in PARAMETER_NOTES:
-        out["parameters_note"] = PARAMETER_NOTES[name]
-    return out
 
 
 # Tiny random configurations (4 layers, hidden 64), one per family, for tests and `retention audit`.

@@ -1,5 +1,7 @@
 """`ArchLM`: a causal LM of pre-RMSNorm blocks (attention of one layout family + SwiGLU), untied
-embeddings, decoding through a `LayoutCache` with explicit absolute positions."""
+embeddings, decoding through a `LayoutCache` with explicit absolute positions; and the parameter
+counts of the documented configurations (`count_parameters`, `documented_parameters`), which need
+the model and so live here, not in `retention.arch.configs` (that module imports nothing from this one)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from torch import nn
 
 from retention.arch.cache import LayoutCache
-from retention.arch.configs import TINY, ArchConfig
+from retention.arch.configs import DOCUMENTED_CONFIGS, DOCUMENTED_PARAMETERS, PARAMETER_NOTES, TINY, ArchConfig
 from retention.arch.modules import ATTENTION, RMSNorm
 
 
@@ -120,3 +122,22 @@ def build_arch(name_or_config: str | ArchConfig, seed: int = 0, dtype: torch.dty
     """A tiny random `ArchLM` by name (`TINY`) or from a config, eval mode, on the CPU."""
     config = TINY[name_or_config] if isinstance(name_or_config, str) else name_or_config
     return init_weights(ArchLM(config), seed).to(dtype).eval()
+
+
+def count_parameters(config: ArchConfig) -> int:
+    """Parameters of `ArchLM(config)`, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = ArchLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def documented_parameters(name: str) -> dict:
+    """`parameters` (counted from the module) and `parameters_documented` for a documented layout
+    that has a configuration, with a note where part of the configuration is derived; `{}` otherwise."""
+    if name not in DOCUMENTED_CONFIGS:
+        return {}
+    out = {"parameters": count_parameters(DOCUMENTED_CONFIGS[name]),
+           "parameters_documented": DOCUMENTED_PARAMETERS[name]}
+    if name in PARAMETER_NOTES:
+        out["parameters_note"] = PARAMETER_NOTES[name]
+    return out

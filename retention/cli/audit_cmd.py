@@ -34,7 +34,7 @@ def _layout_for(target: str, dtype: str):
 def audit_record(layout, context: int, batch: int) -> dict:
     """The audit of one layout: its summary, the documented parameter count where there is one,
     and the cache at `context` tokens x `batch` sequences."""
-    from retention.arch.configs import documented_parameters
+    from retention.arch.model import documented_parameters
 
     record = layout.as_dict()
     record.update(documented_parameters(layout.name))

@@ -11,9 +11,8 @@ from retention.arch.configs import (
     DOCUMENTED_PARAMETERS,
     TINY,
     ArchConfig,
-    count_parameters,
 )
-from retention.arch.model import ArchLM, build_arch
+from retention.arch.model import ArchLM, build_arch, count_parameters
 from retention.arch.retention import SCORERS, GroupScorer, decode, tokens_for_bytes
 from retention.errors import RetentionError
 

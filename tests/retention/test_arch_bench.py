@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from retention.arch import bench
 from retention.arch.bench import Variant
-from retention.arch.configs import ArchConfig, count_parameters
-from retention.arch.model import build_arch
+from retention.arch.configs import ArchConfig
+from retention.arch.model import build_arch, count_parameters
 from retention.cli import main
 
 # Two layers, hidden 64, four query heads: one tiny model per family the study compares.
