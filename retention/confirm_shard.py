@@ -26,6 +26,7 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, cells=None, ove
     validate: called with every arm configuration before anything is written (input errors);
     registry: the user-level registry (default: `protocol.ledger.Registry()`)."""
     from protocol import prereg
+    from protocol.confirmation import check_overrides
     from protocol.ledger import Registry
     from retention.jobs import confirm_runner
 
@@ -37,8 +38,7 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, cells=None, ove
     if plan.get("runner", prereg.DEFAULT_RUNNER_SPEC) != prereg.DEFAULT_RUNNER_SPEC:
         raise RetentionError(f"plan {h[:12]} registers the runner {plan['runner']}; --shard generates with the "
                              "built-in runner only: run confirm without --shard")
-    if overrides and not reason:
-        raise RetentionError("overriding the registered configuration needs a reason (deviation log)")
+    check_overrides(overrides, reason)
     registry = registry or Registry()
     done = set()
     if registry.key(h) is not None:

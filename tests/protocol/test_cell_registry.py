@@ -409,6 +409,8 @@ def test_cli_confirm_shard_records_started(tmp_path, monkeypatch):
     _one_error(_confirm(plan_path, tmp_path / "s", "--shard", "0/2", "--override", "nope=1", "--reason", "r"),
                "unknown configuration key")
     _one_error(_confirm(plan_path, tmp_path / "s", "--shard", "0/2", "--runner", RUNNER), "--shard")
+    _one_error(_confirm(plan_path, tmp_path / "s", "--shard", "0/2", "--override", "split=dev", "--reason", "r"),
+               "cannot override")
     assert not (tmp_path / "s").exists()
 
 
