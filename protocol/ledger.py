@@ -159,7 +159,8 @@ class HashChain:
 
 
 class Registry:
-    """Plans and their confirmations in the user-level state directory, keyed by plan hash."""
+    """Plans and their confirmations in the user-level state directory, keyed by plan hash, and
+    every attempt on a cell identity, keyed by cell key (`<state>/cells/<cell key>.jsonl`)."""
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else state_dir()
