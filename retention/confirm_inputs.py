@@ -65,6 +65,6 @@ def validate_confirm_arm(cfg: dict) -> None:
 
     unknown = sorted(set(cfg) - arms._ARM_KEYS - _PLAN_LEVEL_KEYS - {"model_revision", "dataset"})
     if unknown:
-        allowed = sorted(arms._ARM_KEYS | (_PLAN_LEVEL_KEYS - {"plan_hash", "split"}))
+        allowed = sorted((arms._ARM_KEYS - {"stats_sha256"}) | {"samples", "seed", "max_new_tokens"})
         raise RetentionError(f"unknown configuration key(s) {unknown} (a mistyped --override?); allowed: {allowed}")
     arms.validate_arm(cfg)
