@@ -78,6 +78,15 @@ def _read_run_config(run_dir: Path) -> dict:
         raise ProtocolError(f"runner returned {run_dir} without a readable config.json ({exc})") from None
 
 
+def check_overrides(overrides: dict | None, reason: str | None) -> None:
+    """Overrides need a reason and may not change what is being confirmed."""
+    if overrides and not reason:
+        raise ProtocolError("overriding the registered configuration needs a reason (deviation log)")
+    bad = sorted(k for k in overrides or {} if k.split(".")[0] in _FIXED)
+    if bad:
+        raise ProtocolError(f"cannot override {bad}: they define what is being confirmed")
+
+
 def runner_record(plan: dict, runner_spec: str | None) -> dict:
     """{"spec", "registered"}: the runner a confirmation used and whether the plan registered it
     (the built-in runner counts as registered when the plan names none). runner_spec None: the
@@ -120,11 +129,7 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner, *, manifest_hash: st
     if int(config_schema) != plan["config_schema"]:
         raise ProtocolError(f"configuration schema {config_schema} differs from the registered "
                             f"{plan['config_schema']}: refusing to confirm")
-    if overrides and not reason:
-        raise ProtocolError("overriding the registered configuration needs a reason (deviation log)")
-    bad = sorted(k for k in overrides or {} if k.split(".")[0] in _FIXED)
-    if bad:
-        raise ProtocolError(f"cannot override {bad}: they define what is being confirmed")
+    check_overrides(overrides, reason)
     code_version = code_version or "unknown"
     registry = registry or Registry()
     by_id = {c["id"]: c for c in plan["cells"]}

@@ -159,7 +159,8 @@ class HashChain:
 
 
 class Registry:
-    """Plans and their confirmations in the user-level state directory, keyed by plan hash."""
+    """Plans and their confirmations in the user-level state directory, keyed by plan hash, and
+    every attempt on a cell identity, keyed by cell key (`<state>/cells/<cell key>.jsonl`)."""
 
     def __init__(self, root: Path | None = None):
         self.root = Path(root) if root is not None else state_dir()
@@ -222,7 +223,10 @@ class Registry:
         chain = self._cell_chain(cell_key, create=False)
         if chain is None:
             return []
-        return [{f: e.get(f) for f in ATTEMPT_FIELDS} for e in chain.entries()]
+        # Under the writers' lock: reading completes an interrupted append, which must not race
+        # with a writer finishing its own.
+        with _blocking_lock(chain.path.with_name(chain.path.name + ".lock")):
+            return [{f: e.get(f) for f in ATTEMPT_FIELDS} for e in chain.entries()]
 
     def record_attempt(self, cell_key: str, *, plan_hash: str, cell_id: str, status: str,
                        out_dir: str, supersedes: list[str] | None = None,

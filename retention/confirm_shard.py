@@ -29,6 +29,7 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, ce
     of `protocol.prereg`); validate: called with every arm configuration before anything is written
     (input errors); registry: the user-level registry (default: `protocol.ledger.Registry()`)."""
     from protocol import prereg
+    from protocol.confirmation import check_overrides
     from protocol.ledger import Registry
     from retention.jobs import confirm_runner
 
@@ -41,8 +42,7 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, ce
     if not _takes_shard(runner):
         raise RetentionError(f"the runner {plan.get('runner', prereg.DEFAULT_RUNNER_SPEC)} of plan {h[:12]} takes no "
                              "`shard` keyword, so it cannot generate shards: run confirm without --shard")
-    if overrides and not reason:
-        raise RetentionError("overriding the registered configuration needs a reason (deviation log)")
+    check_overrides(overrides, reason)
     registry = registry or Registry()
     done = set()
     if registry.key(h) is not None:

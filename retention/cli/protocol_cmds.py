@@ -2,17 +2,13 @@
 
 The work is done in `protocol.stats`, `protocol.prereg` and `protocol.report`, imported inside the
 commands so that `retention --help` stays fast. `confirm` needs a generation runner (see
-`protocol.prereg`'s runner contract); it is taken from `--runner MODULE:FUNCTION`, else from the
-plan's registered runner, else from `protocol.prereg.DEFAULT_RUNNER`, else from
-`retention.jobs.confirm_runner` when the runtime provides one.
+`protocol.prereg`'s runner contract), chosen by `retention.confirm_inputs.resolve_runner`.
 """
 
 from __future__ import annotations
 
 import csv
 import functools
-import importlib
-import inspect
 import json
 import os
 import re
@@ -273,7 +269,9 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
     baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
     if runner_spec is not None:
-        _load_runner(runner_spec)  # a runner that cannot run is refused now, not at confirm
+        from retention.confirm_inputs import load_runner
+
+        load_runner(runner_spec)  # a runner that cannot run is refused now, not at confirm
     plan = prereg.build_plan(
         models=models, budgets=[_budget(b) for b in budgets],
         treatment=treatment, baseline=baseline, k=samples, seed=seed,
@@ -300,63 +298,6 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
 
 # --------------------------------------------------------------------------------------------------
 # confirm
-
-
-def _load_runner(spec: str):
-    """The callable MODULE:FUNCTION names, refused (one line) unless it takes the runner's
-    arguments (cell, arm, arm_config, out_dir)."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise click.ClickException(f"--runner: expected MODULE:FUNCTION, got {spec!r}")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise click.ClickException(f"cannot load runner {spec}: {exc}") from None
-    if not callable(fn):
-        raise click.ClickException(f"runner {spec} is not callable")
-    try:
-        inspect.signature(fn).bind({}, "treatment", {}, Path("."))
-    except TypeError:
-        raise click.ClickException(f"runner {spec} does not take (cell, arm, arm_config, out_dir)") from None
-    except ValueError:  # no introspectable signature (some builtins): let the call decide
-        pass
-    return fn
-
-
-def _resolve_runner(spec: str | None, plan: dict):
-    """(runner, spec to record): `--runner`, else the plan's registered runner, else the runtime's.
-    spec None means the plan's own (registered) runner."""
-    from protocol import prereg
-
-    if spec:
-        return _load_runner(spec), spec
-    if plan.get("runner"):
-        return _load_runner(plan["runner"]), plan["runner"]
-    if prereg.DEFAULT_RUNNER is not None:
-        return prereg.DEFAULT_RUNNER, None
-    try:
-        runner = getattr(importlib.import_module("retention.jobs"), "confirm_runner", None)
-    except ImportError:
-        runner = None
-    if runner is None:
-        raise click.ClickException("no generation runner is available for confirm "
-                                   "(the runtime has not installed one; see --runner)")
-    return runner, prereg.DEFAULT_RUNNER_SPEC
-
-
-def _validate_confirm_arm(cfg: dict) -> None:
-    """One arm of a confirmation as the runner will receive it: no key the run configuration does
-    not know (a mistyped --override), and valid as `run` validates an arm."""
-    from protocol.plans import _PLAN_LEVEL_KEYS
-
-    from retention import arms
-    from retention.errors import RetentionError
-
-    unknown = sorted(set(cfg) - arms._ARM_KEYS - _PLAN_LEVEL_KEYS - {"model_revision", "dataset"})
-    if unknown:
-        raise RetentionError(f"unknown configuration key(s) {unknown} (a mistyped --override?); "
-                             f"allowed: {sorted(arms._ARM_KEYS | _PLAN_LEVEL_KEYS - {'plan_hash', 'split'})}")
-    arms.validate_arm(cfg)
 
 
 @click.command("confirm")
@@ -393,6 +334,7 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     from protocol.splits import manifest_sha256
 
     from retention import jobs
+    from retention.confirm_inputs import resolve_runner, validate_confirm_arm
 
     plan, h = prereg.load_plan(plan_path)
     override_map = _key_values(overrides, "--override") or None
@@ -401,22 +343,22 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
         from retention.confirm_shard import generate_confirm_shard
         from retention.shard import parse_shard
 
-        runner, spec = _resolve_runner(runner_spec, plan)
+        runner, spec = resolve_runner(runner_spec, plan)
         if spec is not None and spec != plan.get("runner", prereg.DEFAULT_RUNNER_SPEC):
-            raise click.ClickException(f"--runner {spec} is not the plan's registered runner: shards are generated "
-                                       "only by the registered one (a shard writes no ledger entry to record it)")
+            raise click.ClickException(f"--runner {spec} is not the plan's registered runner: --shard generates "
+                                       "only with the registered one (a shard writes no ledger entry to record it)")
         if runner is getattr(jobs, "confirm_runner", None):
             runner = functools.partial(runner, splits_dir=splits_dir)
         generate_confirm_shard(plan_path, out, parse_shard(shard_text), runner=runner, cells=list(cells) or None,
                                overrides=override_map, reason=reason, manifest_hash=manifest_hash,
-                               validate=_validate_confirm_arm, log=click.echo)
+                               validate=validate_confirm_arm, log=click.echo)
         return
-    runner, spec = _resolve_runner(runner_spec, plan)
+    runner, spec = resolve_runner(runner_spec, plan)
     if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
     entries = prereg.confirm(
         plan_path, out, runner, manifest_hash=manifest_hash or manifest_sha256(splits_dir),
-        validate=_validate_confirm_arm, runner_spec=spec,
+        validate=validate_confirm_arm, runner_spec=spec,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         cells=list(cells) or None, overrides=override_map, reason=reason, log=click.echo)

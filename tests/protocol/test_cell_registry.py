@@ -409,6 +409,8 @@ def test_cli_confirm_shard_records_started(tmp_path, monkeypatch):
     _one_error(_confirm(plan_path, tmp_path / "s", "--shard", "0/2", "--override", "nope=1", "--reason", "r"),
                "unknown configuration key")
     _one_error(_confirm(plan_path, tmp_path / "s", "--shard", "0/2", "--runner", RUNNER), "--shard")
+    _one_error(_confirm(plan_path, tmp_path / "s", "--shard", "0/2", "--override", "split=dev", "--reason", "r"),
+               "cannot override")
     assert not (tmp_path / "s").exists()
 
 
@@ -465,3 +467,24 @@ def test_two_model_plan_records_each_cells_statistics(two_models, tmp_path, monk
     _one_error(_confirm(plan_path, tmp_path / "c", "--runner", RUNNER), "changed since registration")
     assert not (tmp_path / "c").exists()
     assert all(ledger.Registry().cell_attempts(_key(plan, c["id"])) == [] for c in plan["cells"])
+
+
+def _append_attempts(args):
+    root, key, tag = args
+    reg = ledger.Registry(Path(root))
+    for i in range(15):
+        reg.record_attempt(key, plan_hash=f"{tag}{i:02d}".ljust(64, "0"), cell_id="c", status="started",
+                           out_dir=f"/out/{tag}")
+        reg.cell_attempts(key)
+
+
+def test_concurrent_writers_keep_the_cell_chain_valid(tmp_path):
+    """Shards of a confirmation record their start at once: the chain stays whole."""
+    import multiprocessing
+
+    key = "a" * 64
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        pool.map(_append_attempts, [(str(tmp_path), key, t) for t in ("1", "2", "3")])
+    attempts = ledger.Registry(tmp_path).cell_attempts(key)
+    assert len(attempts) == 45 and len({a["plan_hash"] for a in attempts}) == 45

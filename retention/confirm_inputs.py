@@ -1,0 +1,70 @@
+"""What a confirmation runs with, checked before anything is written.
+
+The runner: `--runner MODULE:FUNCTION`, else the plan's registered runner, else
+`protocol.prereg.DEFAULT_RUNNER`, else the built-in `retention.jobs.confirm_runner`; one that cannot
+be imported or does not take the runner contract's arguments (`protocol.prereg`) is refused. Each
+arm's configuration, as the runner will receive it: no key the run configuration does not know (a
+mistyped `--override`) and valid as `run` validates an arm. Both are input errors, never a crash
+deviation of the confirmation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+
+from retention.errors import RetentionError
+
+
+def load_runner(spec: str):
+    """The callable MODULE:FUNCTION names, refused unless it takes (cell, arm, arm_config, out_dir)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise RetentionError(f"--runner: expected MODULE:FUNCTION, got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise RetentionError(f"cannot load runner {spec}: {exc}") from None
+    if not callable(fn):
+        raise RetentionError(f"runner {spec} is not callable")
+    try:
+        inspect.signature(fn).bind({}, "treatment", {}, Path("."))
+    except TypeError:
+        raise RetentionError(f"runner {spec} does not take (cell, arm, arm_config, out_dir)") from None
+    except ValueError:  # no introspectable signature (some builtins): let the call decide
+        pass
+    return fn
+
+
+def resolve_runner(spec: str | None, plan: dict):
+    """(runner, spec to record in the ledger). The spec is None when the runner is the plan's own
+    registered one (`protocol.prereg.DEFAULT_RUNNER` stands for the built-in runner)."""
+    from protocol import prereg
+
+    if spec:
+        return load_runner(spec), spec
+    if plan.get("runner"):
+        return load_runner(plan["runner"]), plan["runner"]
+    if prereg.DEFAULT_RUNNER is not None:
+        return prereg.DEFAULT_RUNNER, None
+    try:
+        runner = getattr(importlib.import_module("retention.jobs"), "confirm_runner", None)
+    except ImportError:
+        runner = None
+    if runner is None:
+        raise RetentionError("no generation runner is available for confirm "
+                             "(the runtime has not installed one; see --runner)")
+    return runner, prereg.DEFAULT_RUNNER_SPEC
+
+
+def validate_confirm_arm(cfg: dict) -> None:
+    """One arm of a confirmation as the runner will receive it (`protocol.plans.arm_config`)."""
+    from protocol.plans import _PLAN_LEVEL_KEYS
+    from retention import arms
+
+    unknown = sorted(set(cfg) - arms._ARM_KEYS - _PLAN_LEVEL_KEYS - {"model_revision", "dataset"})
+    if unknown:
+        allowed = sorted((arms._ARM_KEYS - {"stats_sha256"}) | {"samples", "seed", "max_new_tokens"})
+        raise RetentionError(f"unknown configuration key(s) {unknown} (a mistyped --override?); allowed: {allowed}")
+    arms.validate_arm(cfg)
