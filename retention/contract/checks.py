@@ -34,6 +34,7 @@ import torch
 
 from retention.contract.probe import MAX_NOTES, CheckedPolicy, Probe, count_host_reads
 from retention.errors import RetentionError
+from retention.policy import RetentionPolicy
 
 BUDGET, INTERVAL, NEW_TOKENS = 20, 4, 24
 # Twelve prompts of 13..69 tokens (eight lengths), so rows are padded, compact at prefill or not, and
@@ -151,6 +152,7 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
         eos = {full[i].token_ids[4 + 3 * i] for i in range(0, 8, 2)}
         single = kit.decode(1, eos)
         batched = kit.decode(8, eos)
+        padded = _padded_views(kit)
     except Exception as exc:  # noqa: BLE001 - a scorer that cannot decode fails every decode check
         what = f"decoding raised {type(exc).__name__}: {exc}"
         names = ("score shape and dtype", "kept count", "protected tokens kept", "padding never kept",
@@ -161,7 +163,7 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
         (g1, p1, pol1, _), (g8, p8, pol8, _) = single, batched
         compactions = sum(len(v) for v in p8.kept.values())
         note = f"{compactions} compactions" if evicts else "never evicts: no compaction"
-        viol = {k: p1.violations.get(k, []) + p8.violations.get(k, [])
+        viol = {k: p1.violations.get(k, []) + p8.violations.get(k, []) + padded.violations.get(k, [])
                 for k in ("score shape and dtype", "kept count", "protected tokens kept", "padding never kept")}
         if evicts and compactions == 0:
             viol["kept count"] = viol["kept count"] + ["no compaction happened"]
@@ -172,8 +174,11 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
         results.append(_violations("kept count", viol["kept count"], f"k = {k} at each of {note}" if evicts else note))
         results.append(_violations("protected tokens kept", viol["protected tokens kept"],
                                    f"sink {kit.cadence.sink}, recent {kit.cadence.recent} kept" if evicts else note))
+        if evicts and not padded.view_rows:
+            viol["padding never kept"] = viol["padding never kept"] + ["no padded view could be built"]
         results.append(_violations("padding never kept", viol["padding never kept"],
-                                   f"views of up to {max(p8.view_rows, default=0)} padded rows" if evicts else note))
+                                   f"{len(padded.view_rows)} padded views of up to {max(padded.view_rows, default=0)} "
+                                   "rows of different lengths" if evicts else note))
         results.append(_violations("physical eviction", pol1.violations + pol8.violations,
                                    "buffers hold the kept positions; stored = meter = bytes after every forward"))
         over = [f"sequence {i}: mean {g.meter.mean:.2f} > {BUDGET}" for gens in (g1, g8)
@@ -194,6 +199,46 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
     if share:
         results.append(_guard("compaction share", lambda: _share(kit, context, share_budget, share_tokens)))
     return results
+
+
+@dataclass
+class _PaddingPolicy(RetentionPolicy):
+    """Besides compacting as usual, scores and selects (without compacting) a view over rows of
+    different lengths, padded to the longest, a few times: the cadence alone only builds views of
+    rows due at the same length, so padding reaches a scorer only through such views."""
+
+    tries: int = 4
+
+    def after_forward(self, cache, next_position, meter, prefill: bool) -> bool:
+        did = super().after_forward(cache, next_position, meter, prefill)
+        c, k = self.cadence, self.cadence.nominal
+        rows = [r for r in range(cache.rows) if cache.lengths[r] > k]
+        if prefill or self.tries <= 0 or len({cache.lengths[r] for r in rows}) < 2:
+            return did
+        self.tries -= 1
+        nxt = [int(next_position)] * cache.rows if isinstance(next_position, int) else list(next_position)
+        view = cache.view([nxt[r] for r in rows], sink=c.sink, recent=c.recent, rows=rows,
+                          prompt_length=[cache.prompt_lengths[r] for r in rows], protect_prompt=c.protect_prompt,
+                          slots=[cache.slots[r] for r in rows])
+        self.scorer.select(self.scorer.score(view), view, k)  # the probe checks what comes back
+        return did
+
+
+def _padded_views(kit: _Kit) -> Probe:
+    """A batch-8 decode whose policy also offers the scorer padded views (`_PaddingPolicy`)."""
+    from retention.engine import Request, SamplingConfig, run_engine
+
+    probe = Probe(kit.make())
+    if not kit.sc0.evicts:
+        return probe
+    # Prompts of b-3 .. b tokens: never compacted at prefill, so the rows keep lengths that differ by
+    # less than the interval, whatever tokens the scorer leads to.
+    b = kit.cadence.nominal
+    reqs = [Request(i, list(range(3, 3 + n)), i) for i, n in enumerate(range(max(1, b - 3), b + 1))]
+    run_engine(kit.m64, reqs, _PaddingPolicy(probe, kit.cadence), SamplingConfig(max_new_tokens=NEW_TOKENS,
+               ignore_eos=True), set(), 1.0, batch_size=8)
+    probe.view_rows = [n for n, padded in zip(probe.view_rows, probe.padded) if padded]
+    return probe
 
 
 def _full_scorer():

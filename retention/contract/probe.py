@@ -32,6 +32,7 @@ class Probe:
         self.violations: dict[str, list[str]] = defaultdict(list)
         self.calls = 0  # after_forward calls (observe is called once per forward)
         self.view_rows: list[int] = []  # rows of each compaction view
+        self.padded: list[bool] = []  # whether that view held padding
         self.due_calls: set[int] = set()  # forward calls at which some row compacted
         self.phase: str | None = None  # which scorer hook is running (for the host-read counter)
 
@@ -91,6 +92,7 @@ class Probe:
     def _check_keep(self, keep, view, k: int) -> None:
         L, (B, G, n) = len(view.keys), view.keys[0].shape[:3]
         self.view_rows.append(B)
+        self.padded.append(not bool(torch.stack(view.valid).all()))
         self.due_calls.add(self.calls)
         head = (L, B, G) if self.inner.per_layer else (B, G)
         if tuple(keep.shape) != (*head, k):
