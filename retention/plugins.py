@@ -136,7 +136,7 @@ def source_files(cls: type) -> tuple[Path, list[Path]]:
     module = sys.modules.get(cls.__module__)
     file = Path(getattr(module, "__file__", "") or "")
     if not file.is_file():
-        raise RetentionError(f"scorer plugin class {cls.__qualname__} has no source file to identify it by")
+        return Path(), []  # defined in a notebook or an interactive session: `class_identity` hashes its source
     file = file.resolve()
     if module.__name__.startswith("retention_plugin_") or not getattr(module, "__package__", ""):
         return file.parent, [file]
@@ -153,13 +153,49 @@ def class_identity(cls: type, spec: str | None) -> dict:
     class has no importable spec (`retention.api`): its `module:qualname` is recorded instead."""
     root, files = source_files(cls)
     module = sys.modules.get(cls.__module__)
-    dist, version = (None, None) if module.__name__.startswith("retention_plugin_") else _distribution(module)
-    ident = {"spec": spec, "distribution": dist, "version": version,
-             "sources_sha256": {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-                                for p in files}}
+    dist, version = (None, None) if module is None or module.__name__.startswith("retention_plugin_") or not files \
+        else _distribution(module)
+    shas = {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    if not files:  # no file: the class's own source text is what identifies it
+        import inspect
+
+        try:
+            text = inspect.getsource(cls)
+        except (OSError, TypeError):  # a notebook cell's class: its methods' source is still at hand
+            methods = []
+            for _, fn in sorted(vars(cls).items()):
+                try:  # methods dataclasses generate have no source; the class's own have
+                    methods.append(inspect.getsource(fn) if inspect.isfunction(fn) else "")
+                except (OSError, TypeError):
+                    continue
+            if not any(methods):
+                raise RetentionError(f"scorer class {cls.__qualname__} has neither a source file nor source text "
+                                     "to identify it by; define it in a module") from None
+            fields = sorted((k, repr(v)) for k, v in vars(cls).items() if not callable(v) and not k.startswith("__"))
+            text = "\n".join([repr(fields), *methods])
+        shas = {f"{cls.__module__}:{cls.__qualname__}": hashlib.sha256(text.encode()).hexdigest()}
+    ident = {"spec": spec, "distribution": dist, "version": version, "sources_sha256": shas}
     if spec is None:
         ident["class"] = f"{cls.__module__}:{cls.__qualname__}"
     return ident
+
+
+def register_class(cls: type) -> str:
+    """A name for a `Scorer` subclass given as an object (`retention.api`): its importable
+    `module:qualname` spec when importing that gives this very class, else the same text registered
+    for this process only (a class defined in a notebook); its identity hashes its source either way."""
+    from retention.scorers.base import Scorer
+
+    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
+        raise RetentionError(f"{cls!r} is not a retention.scorers.Scorer subclass")
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    try:
+        found = load_plugin(name)
+    except RetentionError:
+        found = None
+    if found is not cls:
+        _loaded[name] = cls
+    return name
 
 
 def plugin_identity(name: str) -> dict | None:
