@@ -14,7 +14,7 @@ import click
               help="Prompt tokens of the compaction-share figure (0: skip the figure).")
 @click.option("--share-budget", type=click.IntRange(min=8), default=1024, show_default=True,
               help="Budget of the compaction-share figure.")
-@click.option("--share-tokens", type=click.IntRange(min=2, max=1 << 16), default=256, show_default=True,
+@click.option("--share-tokens", type=click.IntRange(min=2, max=1 << 16), default=512, show_default=True,
               help="Decode tokens of the compaction-share figure.")
 def check_scorer_command(spec, params, context, share_budget, share_tokens):
     """Check that scorer SPEC (a built-in name, an installed plugin name, package.module:Class or
