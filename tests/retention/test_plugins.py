@@ -165,3 +165,21 @@ def test_plugin_raising_during_decoding_stops_cleanly_and_resumes(tmp_path, monk
     assert res.exit_code == 0, res.output
     lines = (run_dir / "records.jsonl").read_text().splitlines()
     assert len(lines) == 3 and lines[0] == kept[0]
+
+
+def test_changed_plugin_whose_defaults_change_the_run_id_is_refused_too(plugin_file, tmp_path):
+    """A new default sink changes the cadence and so the run id: still refused, not a silent new run."""
+    spec, out = f"{plugin_file}:KeyNorm", tmp_path / "runs"
+    assert invoke(*run_args(spec, out)).exit_code == 0
+    (first,) = out.iterdir()
+    plugin_file.write_text(KEYNORM.replace("default_sink = 4", "default_sink = 2"))
+    import retention.plugins as plugins  # a new process would import the changed file: forget the old one
+
+    plugins._loaded.clear()
+    for mod in [m for m in sys.modules if m.startswith("retention_plugin_")]:
+        del sys.modules[mod]
+    line = one_error_line(invoke(*run_args(spec, out)))
+    assert f"{first} holds a run of scorer plugin {spec!r} from other code" in line
+    assert "scorer_plugin.sources_sha256.keynorm.py differ" in line
+    assert list(out.iterdir()) == [first]
+    assert invoke(*run_args(spec, tmp_path / "new")).exit_code == 0  # a new --out is fine
