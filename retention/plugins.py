@@ -232,3 +232,25 @@ def check_registered(registered, current) -> None:
     keys = differing_keys({"scorer_plugin": registered}, {"scorer_plugin": current})
     raise RetentionError(f"the scorer plugin changed since it was registered ({', '.join(keys)} differ); "
                          "register the new code as a new plan or run it in a new --out")
+
+
+def refuse_other_code(run_dir: Path, config: dict) -> None:
+    """A new run of a scorer plugin next to a run of the same plugin from other code is refused:
+    a changed plugin's code can change more than its identity (its default sink, say, and so the
+    run id), and one results folder must not mix two versions of one mechanism."""
+    plugin = config.get("scorer_plugin")
+    if not isinstance(plugin, dict):
+        return
+    from protocol.io import load_json_object
+
+    for other in sorted(run_dir.parent.glob("*/config.json")):
+        if other.parent == run_dir:
+            continue
+        try:
+            theirs = load_json_object(other, "run configuration").get("config", {}).get("scorer_plugin")
+        except Exception:  # noqa: BLE001 - an unreadable neighbour is not this run's business
+            continue
+        if isinstance(theirs, dict) and theirs.get("spec") == plugin.get("spec") and theirs != plugin:
+            keys = differing_keys({"scorer_plugin": theirs}, {"scorer_plugin": plugin})
+            raise RetentionError(f"{other.parent} holds a run of scorer plugin {plugin.get('spec')!r} from other "
+                                 f"code ({', '.join(keys)} differ); run the changed plugin in a new --out")

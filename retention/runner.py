@@ -7,6 +7,9 @@ finished records are skipped, a half-written last line is discarded, nothing is 
 
 Several arms (e.g. `alpha` vs `triattention`) run interleaved over the same problems with the same
 seed per (problem, sample), so an interrupted comparison stays paired.
+
+(Over 400 lines: the run directory, its record store and the loop that fills them share one
+write-order and resume invariant, kept in one place.)
 """
 
 from __future__ import annotations
@@ -159,7 +162,9 @@ class RunDir:
 
     def __post_init__(self):
         if not (self.path / "config.json").exists():
-            _refuse_other_plugin_code(self.path, self.config)  # before anything is created
+            from retention.plugins import refuse_other_code
+
+            refuse_other_code(self.path, self.config)  # before anything is created
         ensure_dir(self.path, "run directory")
         # One writer per records file: shards of a run share the directory, not their files.
         lock = ".lock" if self.records_name == "records.jsonl" else f".{self.records_name}.lock"
@@ -221,28 +226,6 @@ class RunDir:
     def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float]) -> None:
         append_line(self.path / self.trace_name,
                     jsonl_line({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}))
-
-
-def _refuse_other_plugin_code(run_dir: Path, config: dict) -> None:
-    """A new run of a scorer plugin next to a run of the same plugin from other code is refused:
-    a changed plugin's code can change more than its identity (its default sink, say, and so the
-    run id), and one results folder must not mix two versions of one mechanism."""
-    plugin = config.get("scorer_plugin")
-    if not isinstance(plugin, dict):
-        return
-    from retention.plugins import differing_keys
-
-    for other in sorted(run_dir.parent.glob("*/config.json")):
-        if other.parent == run_dir:
-            continue
-        try:
-            theirs = load_json_object(other, "run configuration").get("config", {}).get("scorer_plugin")
-        except Exception:  # noqa: BLE001 - an unreadable neighbour is not this run's business
-            continue
-        if isinstance(theirs, dict) and theirs.get("spec") == plugin.get("spec") and theirs != plugin:
-            keys = differing_keys({"scorer_plugin": theirs}, {"scorer_plugin": plugin})
-            raise RetentionError(f"{other.parent} holds a run of scorer plugin {plugin.get('spec')!r} from other "
-                                 f"code ({', '.join(keys)} differ); run the changed plugin in a new --out")
 
 
 def _hold_lock(run_dir: Path, name: str = ".lock"):

@@ -188,8 +188,9 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
                                    if evicts else "never evicts (no budget)"))
         diff = _same(g1, g8, p1, p8)
         lengths = sorted({len(g.token_ids) for g in g8.values()})
-        shape = (f"{len(g8)} sequences of {lengths[0]}..{lengths[-1]} tokens, 4 refills; views of up to "
-                 f"{max(p8.view_rows, default=0)} rows, compactions at {len(p8.due_calls)} distinct steps")
+        shape = f"{len(g8)} sequences of {lengths[0]}..{lengths[-1]} tokens, {len(PROMPTS) - 8} refills; " + (
+            f"views of up to {max(p8.view_rows, default=0)} rows, compactions at {len(p8.due_calls)} distinct steps"
+            if evicts else "never evicts")
         if evicts and (max(p8.view_rows, default=0) < 2 or len(p8.due_calls) < 2):
             diff = diff or "the run did not produce both multi-row views and rows due at different steps"
         results.append(CheckResult("batch invariance", diff is None, (diff + "; " if diff else "") + shape))
