@@ -12,7 +12,7 @@ import click
                    "keynorm.power=2 (its class's name) or the spec as given (repeatable).")
 @click.option("--context", type=click.IntRange(min=0, max=1 << 16), default=8192, show_default=True,
               help="Prompt tokens of the compaction-share figure (0: skip the figure).")
-@click.option("--share-budget", type=click.IntRange(min=8), default=1024, show_default=True,
+@click.option("--share-budget", type=click.IntRange(min=8, max=1 << 16), default=1024, show_default=True,
               help="Budget of the compaction-share figure.")
 @click.option("--share-tokens", type=click.IntRange(min=2, max=1 << 16), default=512, show_default=True,
               help="Decode tokens of the compaction-share figure.")
