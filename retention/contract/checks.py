@@ -15,10 +15,10 @@ end sequences at different steps, and returns one `CheckResult` per check:
 * determinism: two runs with fresh scorers give the same tokens and kept sets;
 * resume: a run interrupted after two records and resumed (`retention.runner`) writes the records an
   uninterrupted run writes (seeded sampling, so per-sequence seeds matter too);
-* host reads per token: the scorer's per-forward hook (`observe`) reads nothing on the host; the
-  engine's documented reads (one per step, one per started sequence) and the reads per compaction are
-  reported;
-* compaction share at an 8k context: a figure (float32 tiny-random, `retention.bench.speed_rows`).
+* host reads per token: the scorer's per-forward hook (`observe`) reads nothing on the host, and
+  everything outside the scorer's hooks reads exactly the engine's documented reads (one per step,
+  one per started sequence); the reads at compactions and set-up are reported;
+* compaction share at an 8k context: a figure (float32 tiny-random, one sequence, decode steps only).
 """
 
 from __future__ import annotations
@@ -317,8 +317,9 @@ def _host_reads(kit: _Kit) -> CheckResult:
     counts, stats, probe = decode()
     detail = (f"observe {counts['observe']} in {probe.calls} forwards; engine {counts['engine']} in {stats.steps} "
               f"steps + {len(PROMPTS)} prefills (documented: 1 per step, 1 per started sequence); "
-              f"score/select/compacted {counts['compaction']} in total")
-    return CheckResult("host reads per token", counts["observe"] == 0, detail)
+              f"score/select/compacted {counts['compaction']}, set-up {counts['setup']} in total")
+    documented = stats.steps + len(PROMPTS)
+    return CheckResult("host reads per token", counts["observe"] == 0 and counts["engine"] == documented, detail)
 
 
 def _share(kit: _Kit, context: int, budget: int, tokens: int) -> CheckResult:

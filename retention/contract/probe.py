@@ -42,9 +42,38 @@ class Probe:
     def _note(self, check: str, text: str) -> None:
         self.violations[check].append(text)
 
+    @contextlib.contextmanager
+    def _in(self, phase: str):
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
+
     def reset_slot(self, slot: int, seed: int) -> None:
         self.slot_seed[slot] = seed
-        self.inner.reset_slot(slot, seed)
+        with self._in("setup"):
+            self.inner.reset_slot(slot, seed)
+
+    def reset(self) -> None:
+        if hasattr(self.inner, "reset"):
+            with self._in("setup"):
+                self.inner.reset()
+
+    @contextlib.contextmanager
+    def attach(self, model):
+        with self._in("setup"):
+            cm = self.inner.attach(model)
+            value = cm.__enter__()
+        try:
+            yield value
+        except BaseException as exc:
+            with self._in("setup"):
+                if not cm.__exit__(type(exc), exc, exc.__traceback__):
+                    raise
+        else:
+            with self._in("setup"):
+                cm.__exit__(None, None, None)
 
     def observe(self, cache, next_position) -> None:
         self.calls += 1
@@ -157,9 +186,9 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
 
 @contextlib.contextmanager
 def count_host_reads(probe: Probe):
-    """Count calls of HOST_READS while active: {"observe": n, "compaction": n, "engine": n} by which
-    scorer hook (if any) was running."""
-    counts = {"observe": 0, "compaction": 0, "engine": 0}
+    """Count calls of HOST_READS while active: {"observe": n, "compaction": n, "setup": n, "engine": n}
+    by which scorer hook (if any) was running ("setup": attach, reset, reset_slot)."""
+    counts = {"observe": 0, "compaction": 0, "setup": 0, "engine": 0}
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
     def wrap(fn):
