@@ -61,8 +61,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 # Keys a pre-registered arm configuration may set (the rest come from the plan: model, budget,
 # samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
 # so that `confirm` can compare what was planned with what ran, key by key.
-_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent", "protect_prompt",
-             "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos", "engine"}
+_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent",
+             "protect_prompt", "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos",
+             "engine"}
 
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).

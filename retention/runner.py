@@ -176,7 +176,8 @@ class RunDir:
             if existing.get("config_hash") != h:
                 from retention.plugins import differing_keys
 
-                keys = differing_keys(existing.get("config"), self.config) if isinstance(existing.get("config"), dict) else []
+                old = existing.get("config")
+                keys = differing_keys(old, self.config) if isinstance(old, dict) else []
                 what = f" ({', '.join(keys)} differ)" if keys else ""
                 raise RetentionError(f"{cfg_file} belongs to another configuration{what}; choose another --out")
         else:

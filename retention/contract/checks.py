@@ -252,7 +252,8 @@ def _determinism(kit: _Kit, eos, first) -> CheckResult:
     g8, p8 = first[0], first[1]
     again, pa, _, _ = kit.decode(8, eos)
     diff = _same(g8, again, p8, pa)
-    return CheckResult("determinism", diff is None, diff or "two runs with fresh scorers: identical tokens and kept sets")
+    return CheckResult("determinism", diff is None,
+                       diff or "two runs with fresh scorers: identical tokens and kept sets")
 
 
 class _Interrupt(BaseException):
@@ -348,8 +349,8 @@ def _share(kit: _Kit, context: int, budget: int, tokens: int) -> CheckResult:
     comp = eng.stats.compaction_seconds - at_prefill
     n = len(done[0].compaction_seconds) - n_prefill if done else 0
     share = comp / total if total > 0 else 0.0
-    return CheckResult("compaction share",
-                       None, f"{100 * share:.1f}% of decode time at a {context}-token context (budget {budget}, "
-                             f"interval {policy.cadence.interval}, {eng.stats.steps} decode steps, {n} compaction(s) of "
-                             f"{1000 * comp / max(n, 1):.1f} ms, {eng.stats.steps / total:.0f} tok/s; float32 "
-                             f"tiny-random on {kit.loaded.device})")
+    detail = (f"{100 * share:.1f}% of decode time at a {context}-token context (budget {budget}, interval "
+              f"{policy.cadence.interval}, {eng.stats.steps} decode steps, {n} compaction(s) of "
+              f"{1000 * comp / max(n, 1):.1f} ms, {eng.stats.steps / total:.0f} tok/s; float32 tiny-random on "
+              f"{kit.loaded.device})")
+    return CheckResult("compaction share", None, detail)

@@ -98,4 +98,5 @@ def make_scorer(name: str, **params) -> Scorer:
         raise RetentionError(f"scorer plugin {name!r} failed to construct: {type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer", "scorer_identity", "is_builtin", "topk_keep"]
+__all__ = ["CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer",
+           "scorer_identity", "is_builtin", "topk_keep"]

@@ -93,7 +93,8 @@ def test_plugin_errors_are_one_line(tmp_path):
     bad.write_text("import no_such_module_anywhere\n")
     notscorer = tmp_path / "plain.py"
     notscorer.write_text("class Thing:\n    pass\n")
-    cases = {f"{bad}:X": "failed to import: ModuleNotFoundError", f"{notscorer}:Thing": "is not a retention.scorers.Scorer",
+    cases = {f"{bad}:X": "failed to import: ModuleNotFoundError",
+             f"{notscorer}:Thing": "is not a retention.scorers.Scorer",
              f"{notscorer}:Nope": "has no 'Nope'", f"{tmp_path}/missing.py:X": "no such file",
              "no_such_pkg.sub:X": "failed to import"}
     for spec, want in cases.items():
@@ -131,7 +132,8 @@ def test_changed_plugin_is_refused_on_resume(plugin_file, tmp_path):
 
 def test_run_id_ignores_plugin_sources_but_the_hash_does_not():
     base = {"model": "tiny-random", "scorer": "/x/k.py:K", "budget": 40,
-            "scorer_plugin": {"spec": "/x/k.py:K", "distribution": None, "version": None, "sources_sha256": {"k.py": "a"}}}
+            "scorer_plugin": {"spec": "/x/k.py:K", "distribution": None, "version": None,
+                              "sources_sha256": {"k.py": "a"}}}
     changed = json.loads(json.dumps(base))
     changed["scorer_plugin"]["sources_sha256"]["k.py"] = "b"
     assert run_id_for(base) == run_id_for(changed) and run_id_for(base).startswith("tiny-random-k.py_K-b40-")
