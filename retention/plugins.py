@@ -148,9 +148,9 @@ def source_files(cls: type) -> tuple[Path, list[Path]]:
     return folder.parent, files
 
 
-def class_identity(cls: type, spec: str | None) -> dict:
-    """The identity of a plugin class (see `plugin_identity`); `spec` None for an instance whose
-    class has no importable spec (`retention.api`): its `module:qualname` is recorded instead."""
+def class_identity(cls: type, spec: str) -> dict:
+    """The identity of plugin class `cls` named `spec` (see `plugin_identity`). A class without a
+    source file (defined in a notebook) is hashed from its source text, keyed `module:qualname`."""
     root, files = source_files(cls)
     module = sys.modules.get(cls.__module__)
     dist, version = (None, None) if module is None or module.__name__.startswith("retention_plugin_") or not files \
@@ -174,10 +174,7 @@ def class_identity(cls: type, spec: str | None) -> dict:
             fields = sorted((k, repr(v)) for k, v in vars(cls).items() if not callable(v) and not k.startswith("__"))
             text = "\n".join([repr(fields), *methods])
         shas = {f"{cls.__module__}:{cls.__qualname__}": hashlib.sha256(text.encode()).hexdigest()}
-    ident = {"spec": spec, "distribution": dist, "version": version, "sources_sha256": shas}
-    if spec is None:
-        ident["class"] = f"{cls.__module__}:{cls.__qualname__}"
-    return ident
+    return {"spec": spec, "distribution": dist, "version": version, "sources_sha256": shas}
 
 
 def register_class(cls: type) -> str:
