@@ -20,6 +20,7 @@ EXAMPLE = ROOT / "examples" / "keynorm-scorer"
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     """The example installed (not editable, no dependencies) into a folder put on PYTHONPATH."""
+    pytest.importorskip("setuptools", reason="building the example needs setuptools (the test extra)")
     tmp = tmp_path_factory.mktemp("keynorm")
     src = tmp / "src"
     shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
