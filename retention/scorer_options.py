@@ -52,8 +52,10 @@ def _listed(scorer: str, names: list[str]) -> str:
     `--scorer mypkg.scorers:KeyNorm`, whose class says `name = "keynorm"`)."""
     if scorer in names:
         return scorer
-    from retention.scorers import get_scorer_class, is_builtin
+    from retention.scorers import Scorer, get_scorer_class, is_builtin
 
+    if scorer == Scorer.name:  # a plugin that names itself nothing inherits the base class's placeholder
+        return scorer
     by_name = [n for n in names if not is_builtin(n) and getattr(get_scorer_class(n), "name", None) == scorer]
     return by_name[0] if len(by_name) == 1 else scorer
 

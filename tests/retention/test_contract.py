@@ -125,3 +125,25 @@ def test_cli_plugin_that_does_not_import_is_one_error_line():
     assert r.exit_code == 1
     assert r.output.strip().splitlines() == [r.output.strip()]
     assert "scorer plugin 'no_such_pkg.mod:X'" in r.output and "Traceback" not in r.output
+
+
+@dataclass
+class Powered(Scorer):
+    """Key norm to a power."""
+
+    name = "powered"
+    power: float = 1.0
+
+    def score(self, view):
+        return (_norms(view) ** self.power).masked_fill(~view.valid[0], float("-inf"))
+
+
+def test_cli_params_reach_the_scorer_by_spec_or_by_name():
+    spec = f"{HERE}:Powered"
+    for param in (f"{spec}.power=2", "powered.power=2"):
+        ok = CliRunner().invoke(main, ["check-scorer", spec, "--param", param, "--context", "0"])
+        assert ok.exit_code == 0, ok.output
+    bad = CliRunner().invoke(main, ["check-scorer", spec, "--param", "powered.nope=1", "--context", "0"])
+    assert bad.exit_code == 1 and "scorer 'tests.retention.test_contract:Powered' has no parameter 'nope'" in bad.output
+    bad = CliRunner().invoke(main, ["check-scorer", spec, "--param", "powered.power=0", "--param", f"{spec}.power=1"])
+    assert bad.exit_code == 1 and "is given twice" in bad.output
