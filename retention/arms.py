@@ -23,12 +23,12 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
     Returns (config, params, cadence): params are what the scorer is constructed with (a statistics
     path); the config records the same parameters with the statistics named by their sha256."""
     from retention.policy import cadence_for
-    from retention.scorers import get_scorer_class, scorer_identity
+    from retention.scorers import get_scorer_class, make_scorer, scorer_identity
 
     cls = get_scorer_class(scorer)
     fields = {f.name for f in dataclasses.fields(cls)} - {"seed"}
     params = {k: v for k, v in options.items() if k in fields and v is not None}
-    scorer_obj = cls(**params)  # validates parameters now, not in the middle of a run
+    scorer_obj = make_scorer(scorer, **params)  # validates parameters now, not in the middle of a run
     params = {k: getattr(scorer_obj, k) for k in sorted(fields) if not k.startswith("_")}
     extra = {}
     if "stats" in params:
@@ -68,8 +68,9 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 # Keys a pre-registered arm configuration may set (the rest come from the plan: model, budget,
 # samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
 # so that `confirm` can compare what was planned with what ran, key by key.
-_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "interval", "accounting", "sink", "recent", "protect_prompt",
-             "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos", "engine"}
+_ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent",
+             "protect_prompt", "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos",
+             "engine"}
 
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).
@@ -88,6 +89,12 @@ def normalize_arm(cfg: dict) -> dict:
     params = cfg.get("scorer_params")
     if isinstance(params, dict):
         cfg["scorer_params"] = {PARAM_ALIASES.get(k, k): v for k, v in params.items()}
+    if isinstance(cfg.get("scorer"), str) and cfg["scorer"] and "scorer_plugin" not in cfg:
+        from retention.scorers import scorer_identity  # a plugin's code is registered with the arm
+
+        identity = scorer_identity(cfg["scorer"])
+        if identity is not None:
+            cfg["scorer_plugin"] = identity
     return cfg
 
 
@@ -173,7 +180,7 @@ def validate_arm(cfg: dict):
     options = {k: v for k, v in params.items() if k in fields}
     if "stats" in options and options["stats"] is not None and not isinstance(options["stats"], str):
         raise RetentionError(f"--stats must be a file path, got {options['stats']!r}")
-    base = {k: v for k, v in cfg.items() if k not in ("scorer", "scorer_params", "stats_sha256")}
+    base = {k: v for k, v in cfg.items() if k not in ("scorer", "scorer_params", "stats_sha256", "scorer_plugin")}
     base.setdefault("interval", None)
     base.setdefault("accounting", "mean")
     base.setdefault("sink", None)
@@ -185,6 +192,9 @@ def validate_arm(cfg: dict):
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
     if built.get("stats"):
         check_stats_file(Path(built["stats"]))
+    from retention.plugins import check_registered
+
+    check_registered(cfg.get("scorer_plugin"), config.get("scorer_plugin"))  # a changed plugin is refused
     registered = cfg.get("stats_sha256")
     if registered is not None and registered != config.get("stats_sha256"):
         raise RetentionError(f"the calibration statistics of {cfg['model']} changed since registration: "

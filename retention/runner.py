@@ -7,6 +7,9 @@ finished records are skipped, a half-written last line is discarded, nothing is 
 
 Several arms (e.g. `alpha` vs `triattention`) run interleaved over the same problems with the same
 seed per (problem, sample), so an interrupted comparison stays paired.
+
+(Over 400 lines: the run directory, its record store and the loop that fills them share one
+write-order and resume invariant, kept in one place.)
 """
 
 from __future__ import annotations
@@ -67,9 +70,26 @@ def library_versions() -> dict:
 
 
 def run_id_for(config: dict) -> str:
+    """`<model>-<scorer>-<budget>-<hash>`. The hash covers the configuration except what changes with
+    a plugin's code (its version and source sha256s): a changed plugin then finds the run directory of
+    the old code and is refused there, naming what changed, instead of silently starting a new run."""
+    from retention.plugins import stable_identity
+
     model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(config["model"])).name) or "model"
+    scorer = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(config["scorer"]).rpartition("/")[2]) or "scorer"
     budget = "full" if config.get("budget") is None else f"b{config['budget']}"
-    return f"{model}-{config['scorer']}-{budget}-{config_hash(config)[:10]}"
+    keyed = config
+    if isinstance(config.get("scorer_plugin"), dict):
+        keyed = dict(config, scorer_plugin=stable_identity(config["scorer_plugin"]))
+    return f"{model}-{scorer}-{budget}-{config_hash(keyed)[:10]}"
+
+
+def _short_pair(a: str, b: str) -> tuple[str, str]:
+    """Two hashes shortened to 10 characters, or as many as it takes for them to differ."""
+    n = 10
+    while n < max(len(a), len(b)) and a[:n] == b[:n]:
+        n += 6
+    return a[:n], b[:n]
 
 
 def _key(row: dict, where: str) -> tuple[str, int]:
@@ -108,8 +128,9 @@ class RecordStore:
             where = f"{self.path}:{lineno}"
             key = _key(rec, where)
             if self.config_hash is not None and rec.get("config_hash") != self.config_hash:
-                raise RetentionError(f"{where}: record of another configuration "
-                                     f"({str(rec.get('config_hash'))[:10]}, this run is {self.config_hash[:10]})")
+                theirs, ours = _short_pair(str(rec.get("config_hash")), self.config_hash)
+                raise RetentionError(f"{where}: record of another configuration (config_hash {theirs}, "
+                                     f"this run is {ours})")
             if key in self.done:
                 raise RetentionError(f"{where}: duplicated record {key}")
             self.done[key] = rec
@@ -140,6 +161,10 @@ class RunDir:
     records: RecordStore = field(init=False)
 
     def __post_init__(self):
+        if not (self.path / "config.json").exists():
+            from retention.plugins import refuse_other_code
+
+            refuse_other_code(self.path, self.config)  # before anything is created
         ensure_dir(self.path, "run directory")
         # One writer per records file: shards of a run share the directory, not their files.
         lock = ".lock" if self.records_name == "records.jsonl" else f".{self.records_name}.lock"
@@ -149,7 +174,12 @@ class RunDir:
         if cfg_file.exists():
             existing = load_json_object(cfg_file, "run configuration")
             if existing.get("config_hash") != h:
-                raise RetentionError(f"{cfg_file} belongs to another configuration; choose another --out")
+                from retention.plugins import differing_keys
+
+                old = existing.get("config")
+                keys = differing_keys(old, self.config) if isinstance(old, dict) else []
+                what = f" ({', '.join(keys)} differ)" if keys else ""
+                raise RetentionError(f"{cfg_file} belongs to another configuration{what}; choose another --out")
         else:
             meta = {
                 "run_id": self.path.name,
@@ -321,7 +351,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     from retention.engine import Request, SamplingConfig, run_engine
     from retention.models import format_prompt
     from retention.policy import RetentionPolicy
-    from retention.scorers import make_scorer
+    from retention.scorers import is_builtin, make_scorer
 
     grader = None
     if grade:
@@ -368,8 +398,15 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                          batch_size=batch_size, fidelity=fidelity, on_finish=on_finish)
                 continue
             policy = RetentionPolicy(make_scorer(arm.scorer, **arm.scorer_params), arm.cadence)
-            run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,
-                       on_finish=on_finish, on_step=on_step if progress else None)
+            try:
+                run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,
+                           on_finish=on_finish, on_step=on_step if progress else None)
+            except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
+                if is_builtin(arm.scorer):
+                    raise
+                raise RetentionError(f"scorer plugin {arm.scorer!r} raised during decoding ({type(exc).__name__}: "
+                                     f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
+                                     "to resume") from exc
     bar.close()
 
 

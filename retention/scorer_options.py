@@ -3,7 +3,9 @@
 Two forms:
 
 * `--param SCORER.NAME=VALUE` (repeatable) sets one parameter of one listed scorer, e.g.
-  `--param alpha.lam=0.5 --param rkv.lam=0.1`. The scorer must be listed and must take `NAME`.
+  `--param alpha.lam=0.5 --param rkv.lam=0.1`. The scorer must be listed and must take `NAME`. A
+  plugin is named as listed (`--param mypkg.mod:KeyNorm.k=4`: NAME is what follows the last dot) or by
+  its class's `name` attribute (`--param keynorm.k=4`).
 * The shared options (`--lambda`, `--radius`, `--window`, `--routing`, `--stats`) go to every listed
   scorer that takes them, and are an error when no listed scorer does. `--lambda` is the study's
   name for alpha's penalty weight; it also means rkv's mixing weight, so it is refused when it would
@@ -45,14 +47,28 @@ def _convert(field: dataclasses.Field, raw: str, where: str):
     return raw
 
 
+def _listed(scorer: str, names: list[str]) -> str:
+    """A listed scorer named as given, or by its class's `name` (`--param keynorm.k=4` for
+    `--scorer mypkg.scorers:KeyNorm`, whose class says `name = "keynorm"`)."""
+    if scorer in names:
+        return scorer
+    from retention.scorers import Scorer, get_scorer_class, is_builtin
+
+    if scorer == Scorer.name:  # a plugin that names itself nothing inherits the base class's placeholder
+        return scorer
+    by_name = [n for n in names if not is_builtin(n) and getattr(get_scorer_class(n), "name", None) == scorer]
+    return by_name[0] if len(by_name) == 1 else scorer
+
+
 def parse_params(values: tuple[str, ...], names: list[str]) -> dict[str, dict]:
     """`--param` values -> {scorer: {param: value}} for the listed scorers `names`."""
     out: dict[str, dict] = {n: {} for n in names}
     for item in values:
         key, sep, raw = item.partition("=")
-        scorer, dot, param = key.strip().partition(".")
+        scorer, dot, param = key.strip().rpartition(".")  # a plugin spec may hold dots; a parameter never
         if not sep or not dot or not scorer or not param:
             raise RetentionError(f"--param {item!r}: expected SCORER.NAME=VALUE, e.g. alpha.lam=0.5")
+        scorer = _listed(scorer, names)
         if scorer not in out:
             raise RetentionError(f"--param {item!r}: scorer {scorer!r} is not listed (listed: {', '.join(names)})")
         fields = scorer_fields(scorer)

@@ -53,6 +53,7 @@ BASE = {
     ("agree",): ["in/run_a", "in/run_b"],
     ("conformance",): [],
     ("merge",): ["in/runs", "--out", "out/merged"],
+    ("check-scorer",): ["streaming", "--context", "0"],
 }
 
 # Known-bad values of free-form string options, per (command, option) or option.
@@ -85,6 +86,7 @@ STRING_BAD = {
     ("bench", "--context"): ["x", "0", "1.5"],
     ("bench", "--layouts"): ["nope", ",", "mha,nope"],
     ("audit", "targets"): ["no-such-layout"],
+    ("check-scorer", "spec"): ["nope", "no_such_module:X", "in/afile:X", "in/missing.py:X", "os:path"],
     ("stats", "--treatment"): ["nocolumn"],
     ("stats", "--baseline"): ["nocolumn"],
     ("stats", "--cluster"): ["nocolumn"],
@@ -165,7 +167,8 @@ CASES = list(_cases())
 def _args(cmd, param, value) -> list[str]:
     base = list(BASE[cmd])
     if isinstance(param, click.Argument):
-        base = [a for a in base if not a.startswith("in/")]  # replace the positional
+        # replace the positional
+        base = base[1:] if cmd == ("check-scorer",) else [a for a in base if not a.startswith("in/")]
         return [*cmd, value, *base]
     opt = param.opts[0]
     # drop the base's own value of this option (so the bad one is the one used)

@@ -34,6 +34,7 @@ _MODULES = (
     "audit_cmd",
     "merge_cmd",
     "agree_cmd",
+    "check_cmd",
 )
 DEBUG_ENV = "RETENTION_DEBUG"
 

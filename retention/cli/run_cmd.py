@@ -49,7 +49,9 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
                    "layout models tiny-kv, tiny-cla, tiny-mla, tiny-qk-norm-mla, tiny-path-concat, tiny-path-residual, "
                    "tiny-path-mla) or a local folder.")
 @click.option("--scorer", "scorers", multiple=True, default=("alpha",), show_default=True,
-              help="Retention scorer; several as a comma list or repeated option run over the same problems.")
+              help="Retention scorer (a built-in, an installed plugin's name, package.module:Class or "
+                   "path/to/file.py:Class: docs/plugins.md); several as a comma list or repeated option run over "
+                   "the same problems.")
 @click.option("--baseline", default=None, help="Also run this scorer as the baseline arm (same seeds, same problems).")
 @click.option("--budget", type=int, callback=_positive("--budget"),
               help="Cache budget B in tokens per (layer, KV head); its meaning depends on --accounting.")

@@ -1,11 +1,19 @@
-"""Scorer registry: one module per scorer, each registering its class by name."""
+"""Scorer registry: the public scorer interface, the built-in scorers and plugins.
+
+Built-in scorers are one module each in this package, registering their class by name. Scorers from
+outside the package (`package.module:Class`, `path/to/file.py:Class`, or a name installed in the
+entry-point group `retention.scorers`) are resolved by `retention.plugins`. Everything a scorer author
+needs is exported here: `Scorer` (the interface, documented with tensor shapes in
+`retention.scorers.base`), `WindowScorer`, `CacheView` and `topk_keep`.
+"""
 
 from __future__ import annotations
 
 import importlib
 
 from retention.errors import RetentionError
-from retention.scorers.base import Scorer, topk_keep
+from retention.cache import CacheView
+from retention.scorers.base import Scorer, WindowScorer, topk_keep
 
 _REGISTRY: dict[str, type[Scorer]] = {}
 _MODULES = ("full", "random", "streaming", "triattention", "alpha", "snapkv", "rkv", "h2o")
@@ -36,11 +44,26 @@ def available() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_scorer_class(name: str) -> type[Scorer]:
+def is_builtin(name: str) -> bool:
+    """Whether `name` is a scorer of this package (not a plugin)."""
     _load_all()
-    if name not in _REGISTRY:
-        raise RetentionError(f"unknown scorer {name!r}; known scorers: {', '.join(available())}")
-    return _REGISTRY[name]
+    return name in _REGISTRY
+
+
+def get_scorer_class(name: str) -> type[Scorer]:
+    """The class of a built-in name, an entry-point name, `package.module:Class` or `file.py:Class`."""
+    _load_all()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    from retention.plugins import entry_point_names, load_plugin
+
+    cls = load_plugin(name)
+    if cls is None:
+        installed = entry_point_names()
+        more = f"; installed plugins: {', '.join(installed)}" if installed else ""
+        raise RetentionError(f"unknown scorer {name!r}; known scorers: {', '.join(available())}{more} "
+                             "(a plugin is named package.module:Class or path/to/file.py:Class)")
+    return cls
 
 
 def scorer_identity(name: str) -> dict | None:
@@ -50,8 +73,13 @@ def scorer_identity(name: str) -> dict | None:
     its distribution name and version when installed, and the sha256 of its source file(s), so that
     a changed plugin never resumes or confirms a run of the old one.
     """
-    get_scorer_class(name)
-    return None
+    _load_all()
+    if name in _REGISTRY:
+        return None
+    from retention.plugins import plugin_identity
+
+    get_scorer_class(name)  # one error line for an unknown name
+    return plugin_identity(name)
 
 
 def make_scorer(name: str, **params) -> Scorer:
@@ -59,7 +87,16 @@ def make_scorer(name: str, **params) -> Scorer:
     (the CLI passes --lambda, --window, ... to every scorer; those that do not use them ignore them)."""
     cls = get_scorer_class(name)
     fields = getattr(cls, "__dataclass_fields__", {})
-    return cls(**{k: v for k, v in params.items() if k in fields and v is not None})
+    kwargs = {k: v for k, v in params.items() if k in fields and v is not None}
+    if name in _REGISTRY:
+        return cls(**kwargs)
+    try:  # a plugin's constructor: whatever it raises is one error line naming it
+        return cls(**kwargs)
+    except RetentionError as exc:
+        raise RetentionError(f"scorer plugin {name!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001
+        raise RetentionError(f"scorer plugin {name!r} failed to construct: {type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["Scorer", "register", "available", "get_scorer_class", "make_scorer", "scorer_identity", "topk_keep"]
+__all__ = ["CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer",
+           "scorer_identity", "is_builtin", "topk_keep"]

@@ -1,19 +1,45 @@
-"""The scorer interface and the shared top-k selector.
+"""The scorer interface (the public one: built-in scorers and plugins implement the same) and the
+shared top-k selector. Everything here is exported from `retention.scorers`.
 
-A scorer maps the cache at a compaction (`CacheView`) to a score per candidate token: `[B, G, n]`
-when one kept set per KV head is shared by all layers, or `[L, B, G, n]` when it selects per layer
-(`per_layer = True`). Higher means keep. A selector turns scores into kept indices; the default
-is top-k per row with protected tokens forced in. Scorers that need more than the cache (recorded
-queries, accumulated attention) get it through `attach` (a context manager active for the whole
-run), `observe` (called after every forward), `compacted` (called with the kept indices so state can
-follow the eviction) and `reset_slot` (called when an engine slot starts a new sequence).
+Shapes: `L` layers, `B` rows of a view (sequences due for compaction now), `G` KV heads, `n` cached
+tokens per row (padded to the longest row of the view), `d` head dimension, `k` tokens to keep.
 
-Batched views (`retention.cache.CacheView`): rows are the slots due now, padded to the longest; a
-scorer scores padding `-inf` (the shared selector masks it too), so padding is never kept and never
-outranks a real token. Per-slot state is indexed by `view.slots` / `cache.slots`.
+What a scorer sees at a compaction, `CacheView` (`retention.cache`):
+    keys, values   `L` tensors `[B, G, n, d]` (keys after RoPE), in the model's dtype
+    positions      `L` tensors `[B, G, n]` int64 absolute positions, -1 on padding
+    protected      `L` tensors `[B, G, n]` bool: sinks, the recent window (and the prompt with
+                   --protect-prompt); the selector must keep them
+    valid          `L` tensors `[B, G, n]` bool, False on padding; padding must never be kept
+    next_position  `[B]` int64, each row's next query position
+    prompt_length  `[B]` int64;  slots `[B]` int64, the engine slot of each row (per-slot state)
+    extra          `L` dicts of per-token buffers a scorer registered with `cache.add_extra`
 
-Adding a scorer: one module in this package with a class decorated by `@register("name")`, listed in
-`retention.scorers._MODULES`.
+What a scorer implements (a dataclass; its public fields are its parameters, settable with
+`--param NAME.field=value` and in a plan's `scorer_params`, validated against the field types):
+    score(view) -> `[B, G, n]` float (one kept set per KV head shared by all layers), or
+                   `[L, B, G, n]` with `per_layer = True`. Higher means keep. Padding should score
+                   -inf (the default selector masks it anyway).
+    select(scores, view, k) -> `[B, G, k]` (or `[L, B, G, k]`) int64 kept indices, distinct, sorted
+                   ascending, protected tokens included, padding never. Default: `topk_keep`.
+Optional hooks, for scorers that need more than the cache:
+    attach(model)   a context manager active for the whole run (record queries, load statistics)
+    reset_slot(slot, seed)  engine slot `slot` starts a new sequence: drop that slot's state
+    observe(cache, next_position)  after every forward, before any compaction (must not read
+                    device values on the host: it runs every token)
+    compacted(keep, view)  after every compaction, with the kept indices of the rows of `view`
+Class attributes: `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
+`per_layer`, `default_sink` / `default_recent` (protected tokens unless --sink / --recent say),
+`evicts` (False: never compacts), and `min_recent()` for a window the cadence must count inside b.
+
+Contract (checked by `retention check-scorer`): exactly k kept per row and head, protected kept,
+padding never kept, rows independent of each other (batch invariance: a row's scores may depend
+only on that row and its own slot's state), deterministic given the per-sequence seed
+(`reset_slot`), and no host reads in `observe`.
+
+Adding a scorer: a built-in is one module in this package with a class decorated by
+`@register("name")`, listed in `retention.scorers._MODULES`; a plugin lives in your own code and is
+named `package.module:Class`, `path/to/file.py:Class` or by an entry point of group
+`retention.scorers` (`retention.plugins`, docs/plugins.md).
 """
 
 from __future__ import annotations

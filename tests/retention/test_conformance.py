@@ -137,3 +137,40 @@ def test_tie_class_rule():
     assert not ok([0, 3, 5, 6])  # class 0 kept
     assert not ok([0, 1, 2, 5])  # two tied kept, window slot 6 dropped
     assert not ok([0, 1, 5])  # wrong size
+
+
+def test_triattention_z_tolerance_is_per_head():
+    """The README's rule: per head 2e-4 * max|raw| / sigma_head + 1e-6 (sigma over the candidates)."""
+    from retention.conformance import load_case, tri_z_tolerance
+
+    _, t = load_case(shipped_dir() / "triattention_score_case0.safetensors")
+    raw = t["raw_head_scores"].double()
+    n = raw.shape[-1]
+    tol = tri_z_tolerance(raw, torch.ones(n, dtype=torch.bool))
+    assert tol.shape == (*raw.shape[:2], 1)
+    by_hand = 2e-4 * raw.abs().max() / raw[1, 2].std(unbiased=False) + 1e-6
+    assert float(tol[1, 2, 0]) == pytest.approx(float(by_hand), rel=1e-12)
+    assert float(tol.max()) > 1e-3  # where a fixed 1e-3 was too tight
+
+
+@pytest.mark.parametrize("factor,ok", [(0.9, True), (1.1, False)])
+def test_zscore_error_against_its_head_tolerance(tmp_path, factor, ok):
+    """An error of 0.9 of the loosest head's tolerance (above the old fixed 1e-3) passes; 1.1 fails."""
+    from retention.conformance import load_case, tri_z_tolerance
+
+    path = copy_case(tmp_path, "triattention_score_case0")
+    _, t = load_case(path)
+    n = t["raw_head_scores"].shape[-1]
+    tol = tri_z_tolerance(t["raw_head_scores"], torch.ones(n, dtype=torch.bool))[..., 0]
+    l, h = divmod(int(tol.argmax()), tol.shape[1])
+    shift = factor * float(tol[l, h])
+    assert shift > 1e-3
+
+    def fn(tensors):
+        tensors["zscore_head_scores"][l, h, 3] += shift
+
+    edit_tensors(path, fn)
+    res = check_case(path)
+    assert res.ok is ok, res.line()
+    if not ok:
+        assert any("zscore_head_scores" in f and "head's tolerance" in f for f in res.failures)

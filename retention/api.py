@@ -1,0 +1,90 @@
+"""The Python API for notebooks: run one arm without the command line.
+
+    from retention.api import run_arm, records_frame
+    recs = run_arm("tiny-random", "alpha", budget=40, limit=2, max_new_tokens=64, params={"lam": 0.5})
+    df = records_frame(recs)
+
+`run_arm` builds the arm exactly as `retention run` does (`retention.arms.validate_arm`) and generates
+through the same job (`retention.jobs.execute`), so it writes, and resumes, the same run directory
+under `out` as the equivalent `retention run` command. The scorer is a name or spec (as `--scorer`
+takes) or a `Scorer` instance: its class is named by its importable `module:qualname` (or, for a
+class defined in a notebook, that text registered for this process) and its public dataclass fields
+become the arm's parameters; the class's source sha256 is part of the configuration either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from retention.errors import RetentionError
+
+
+def _scorer_arm(scorer, params: dict | None) -> tuple[str, dict]:
+    """(name or spec, parameters) of a scorer given by name or as an instance."""
+    from retention.scorers import Scorer, is_builtin
+
+    params = dict(params or {})
+    if isinstance(scorer, str):
+        return scorer, params
+    if not isinstance(scorer, Scorer):
+        raise RetentionError(f"scorer must be a name, a spec or a retention.scorers.Scorer instance, got {scorer!r}")
+    if params:
+        raise RetentionError("give parameters on the scorer instance, not also as params")
+    cls = type(scorer)
+    name = getattr(cls, "name", None)
+    if not (isinstance(name, str) and is_builtin(name) and _builtin_class(name) is cls):
+        from retention.plugins import register_class
+
+        name = register_class(cls)
+    fields = {f.name: getattr(scorer, f.name) for f in dataclasses.fields(scorer)
+              if f.init and not f.name.startswith("_") and f.name != "seed"}
+    return name, fields
+
+
+def _builtin_class(name: str):
+    from retention.scorers import get_scorer_class
+
+    return get_scorer_class(name)
+
+
+def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | None = None, limit: int | None = None,
+            split: str = "dev", samples: int = 1, seed: int = 0, max_new_tokens: int = 8192,
+            temperature: float = 0.6, top_p: float = 0.95, ignore_eos: bool = False, interval: int | None = None,
+            accounting: str = "mean", sink: int | None = None, recent: int | None = None,
+            protect_prompt: bool = False, dtype: str = "float32", device: str = "cpu", data_path: str | None = None,
+            out: str | Path = "results", batch_size: int | None = None, grade: bool = True,
+            progress: bool = False) -> list[dict]:
+    """Generate one arm on the first `limit` problems of the dev split and return its records (the
+    dicts of `records.jsonl`, docs/records.md), resuming the run directory if it exists.
+
+    scorer: a built-in name, a plugin name or spec, or a `Scorer` instance; params: its parameters
+    (names as its dataclass fields, e.g. {"lam": 0.5}) when given by name. The other arguments are
+    `retention run`'s options of the same names.
+    """
+    from protocol.io import read_jsonl
+    from retention.arms import validate_arm
+    from retention.jobs import execute
+
+    if split != "dev":
+        raise RetentionError("the confirm split is reachable only through a pre-registered plan (retention confirm)")
+    name, scorer_params = _scorer_arm(scorer, params)
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
+                "ignore_eos": ignore_eos}
+    base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
+            "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
+            "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
+            "fidelity": False, **sampling}
+    spec = validate_arm(dict(base, scorer=name, scorer_params=scorer_params))
+    (run_dir,) = execute(model, dtype, device, [spec], split=split, data_path=data_path, limit=limit, samples=samples,
+                         seed=seed, sampling=sampling, fidelity=False, grade=grade, out=Path(out),
+                         progress=progress, batch_size=batch_size)
+    return read_jsonl(Path(run_dir) / "records.jsonl", "record").objects
+
+
+def records_frame(records: list[dict]):
+    """The records as a pandas DataFrame, one row per (problem, sample); nested fields flattened
+    (`fidelity.kl_mean`, ...)."""
+    import pandas as pd
+
+    return pd.json_normalize(records)

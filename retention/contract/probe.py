@@ -1,0 +1,206 @@
+"""Instruments for the contract kit: a scorer probe that checks every compaction, a policy that checks
+physical eviction after every forward, and a host-read counter.
+
+The probe wraps a scorer without changing what it does: the policy calls the probe's `score` and
+`select`, which call the scorer's and then check what came back (shape, dtype, kept count, protected
+tokens, padding) and note each row's kept positions under the seed of the sequence it belongs to
+(the engine announces it through `reset_slot`), so kept sets compare across batch sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from retention.policy import RetentionPolicy
+
+MAX_NOTES = 3  # violations quoted per check
+
+
+class Probe:
+    """A scorer seen through the contract's checks (every other attribute is the scorer's own)."""
+
+    def __init__(self, scorer, checks: bool = True):
+        self.inner = scorer
+        self.checks = checks
+        self.slot_seed: dict[int, int] = {}
+        self.kept: dict[int, list] = defaultdict(list)  # seed -> kept positions per compaction
+        self.last_kept: dict[int, torch.Tensor] = {}  # slot -> kept positions `[L, G, k]` of its last compaction
+        self.violations: dict[str, list[str]] = defaultdict(list)
+        self.calls = 0  # after_forward calls (observe is called once per forward)
+        self.view_rows: list[int] = []  # rows of each compaction view
+        self.padded: list[bool] = []  # whether that view held padding
+        self.due_calls: set[int] = set()  # forward calls at which some row compacted
+        self.phase: str | None = None  # which scorer hook is running (for the host-read counter)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _note(self, check: str, text: str) -> None:
+        self.violations[check].append(text)
+
+    @contextlib.contextmanager
+    def _in(self, phase: str):
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    def reset_slot(self, slot: int, seed: int) -> None:
+        self.slot_seed[slot] = seed
+        with self._in("setup"):
+            self.inner.reset_slot(slot, seed)
+
+    def reset(self) -> None:
+        if hasattr(self.inner, "reset"):
+            with self._in("setup"):
+                self.inner.reset()
+
+    @contextlib.contextmanager
+    def attach(self, model):
+        with self._in("setup"):
+            cm = self.inner.attach(model)
+            value = cm.__enter__()
+        try:
+            yield value
+        except BaseException as exc:
+            with self._in("setup"):
+                if not cm.__exit__(type(exc), exc, exc.__traceback__):
+                    raise
+        else:
+            with self._in("setup"):
+                cm.__exit__(None, None, None)
+
+    def observe(self, cache, next_position) -> None:
+        self.calls += 1
+        self.phase = "observe"
+        try:
+            self.inner.observe(cache, next_position)
+        finally:
+            self.phase = None
+
+    def compacted(self, keep, view) -> None:
+        self.phase = "compaction"
+        try:
+            self.inner.compacted(keep, view)
+        finally:
+            self.phase = None
+
+    def score(self, view):
+        self.phase = "compaction"
+        try:
+            scores = self.inner.score(view)
+        finally:
+            self.phase = None
+        if self.checks:
+            L, (B, G, n) = len(view.keys), view.keys[0].shape[:3]
+            want = (L, B, G, n) if self.inner.per_layer else (B, G, n)
+            if not isinstance(scores, torch.Tensor):
+                self._note("score shape and dtype", f"score returned {type(scores).__name__}, not a tensor")
+            elif tuple(scores.shape) != want or not scores.dtype.is_floating_point:
+                self._note("score shape and dtype", f"score is {tuple(scores.shape)} {scores.dtype}, expected "
+                                                    f"{want} floating point")
+            elif bool(torch.isnan(scores).any()):
+                self._note("score shape and dtype", "score holds NaN")
+        return scores
+
+    def select(self, scores, view, k: int):
+        self.phase = "compaction"
+        try:
+            keep = self.inner.select(scores, view, k)
+        finally:
+            self.phase = None
+        if self.checks:
+            self._check_keep(keep, view, k)
+        return keep
+
+    def _check_keep(self, keep, view, k: int) -> None:
+        L, (B, G, n) = len(view.keys), view.keys[0].shape[:3]
+        self.view_rows.append(B)
+        self.padded.append(not bool(torch.stack(view.valid).all()))
+        self.due_calls.add(self.calls)
+        head = (L, B, G) if self.inner.per_layer else (B, G)
+        if tuple(keep.shape) != (*head, k):
+            self._note("kept count", f"kept {tuple(keep.shape)} at a compaction to k = {k} (expected {(*head, k)})")
+            return
+        keep = keep.long()
+        if bool((keep < 0).any() | (keep >= n).any()) or bool((keep.diff(dim=-1) <= 0).any()):
+            self._note("kept count", f"kept indices are not {k} distinct ascending indices in [0, {n})")
+            return
+        full = keep if keep.dim() == 4 else keep.expand(L, B, G, k)  # [L, B, G, k]
+        kept = torch.zeros(L, B, G, n, dtype=torch.bool, device=keep.device).scatter_(-1, full, True)
+        protected, valid = torch.stack(view.protected), torch.stack(view.valid)
+        if bool((protected & ~kept).any()):
+            self._note("protected tokens kept", f"{int((protected & ~kept).sum())} protected token(s) evicted "
+                                                f"at a compaction of {B} row(s)")
+        if bool((kept & ~valid).any()):
+            self._note("padding never kept", f"{int((kept & ~valid).sum())} padding entr(ies) kept at a compaction "
+                                             f"of {B} row(s)")
+        positions = torch.stack(view.positions).gather(-1, full)  # [L, B, G, k]
+        slots = view.slots.tolist() if isinstance(view.slots, torch.Tensor) else list(view.slots)
+        for b, slot in enumerate(slots):
+            self.kept[self.slot_seed.get(slot, -1)].append(positions[:, b].tolist())
+            self.last_kept[slot] = positions[:, b]
+
+
+@dataclass
+class CheckedPolicy(RetentionPolicy):
+    """A policy that checks physical eviction after every forward: each row stores exactly what its
+    meter counts (and what it kept: the positions in the buffers after a compaction are the kept
+    ones), and the bytes stored are the bytes of that many tokens."""
+
+    violations: list[str] = field(default_factory=list)
+
+    def after_forward(self, cache, next_position, meter, prefill: bool) -> bool:
+        probe = self.scorer
+        before = dict(probe.last_kept)
+        did = super().after_forward(cache, next_position, meter, prefill)
+        if len(self.violations) >= MAX_NOTES or cache.layers[0].kbuf is None:
+            return did
+        meters = [meter] if not isinstance(meter, list) else meter
+        for r in range(cache.rows):
+            m = meters[r] if r < len(meters) else meters[0]
+            stored = [int((ly.pbuf[r, 0, :ly.pbuf.shape[2]] >= 0)[: cache.lengths[r]].sum()) for ly in cache.layers]
+            if any(s != m.final for s in stored) or cache.lengths[r] != m.final:
+                self.violations.append(f"row stores {stored} tokens per layer, the meter counts {m.final}")
+            slot = cache.slots[r]
+            now = probe.last_kept.get(slot)
+            if did and now is not None and before.get(slot) is not now:  # this row compacted just now
+                k = now.shape[-1]
+                held = torch.stack([ly.pbuf[r, :, :k] for ly in cache.layers])  # [L, G, k]
+                if k != cache.lengths[r] or not torch.equal(held, now.to(held.device)):
+                    self.violations.append(f"after a compaction the buffers hold other positions than the {k} kept")
+        per_token = sum(2 * ly.kbuf[0, :, 0].numel() * ly.kbuf.element_size() for ly in cache.layers)
+        if cache.stored_bytes() != per_token * sum(cache.lengths) or cache.stored_bytes() > cache.allocated_bytes():
+            self.violations.append(f"stored bytes {cache.stored_bytes()} are not {sum(cache.lengths)} tokens' worth")
+        return did
+
+
+# Tensor methods that read a device value on the host (on a GPU each waits for the device).
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads(probe: Probe):
+    """Count calls of HOST_READS while active: {"observe": n, "compaction": n, "setup": n, "engine": n}
+    by which scorer hook (if any) was running ("setup": attach, reset, reset_slot)."""
+    counts = {"observe": 0, "compaction": 0, "setup": 0, "engine": 0}
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(fn):
+        def counted(self, *a, **kw):
+            counts[probe.phase or "engine"] += 1
+            return fn(self, *a, **kw)
+        return counted
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)

@@ -1,0 +1,253 @@
+"""Scorer plugins: scorers that live outside this package.
+
+`--scorer` (and a plan's `"scorer"`) names a scorer in one of four ways, tried in this order:
+
+* a built-in name (`alpha`, `h2o`, ...: `retention.scorers.available()`);
+* a name an installed distribution registers in the entry-point group `retention.scorers`
+  (`[project.entry-points."retention.scorers"] keynorm = "keynorm_scorer:KeyNorm"`);
+* `package.module:Class`, imported from `sys.path`;
+* `path/to/file.py:Class`, loaded from that file.
+
+A plugin is a subclass of `retention.scorers.Scorer` (the interface is documented in
+`retention.scorers.base`). Its identity is part of the arm: `plugin_identity` gives the spec, the
+distribution and version when the module belongs to an installed distribution, and the sha256 of its
+source file(s) (the module's file, or every `*.py` file of the module's own package folder), so the
+configuration hash changes when the plugin's code does. A plugin that fails to import, or names no
+such class, or whose class is not a `Scorer`, is one `RetentionError` naming the plugin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from retention.errors import RetentionError
+
+GROUP = "retention.scorers"
+# Keys of a plugin's identity that may change between code versions of the same plugin: they are in
+# the configuration hash (a changed plugin is refused) but not in the run id (so the refusal fires
+# on the existing run directory instead of a fresh one being started silently).
+VOLATILE_KEYS = ("version", "sources_sha256")
+MAX_SOURCE_FILES = 200
+
+_loaded: dict[str, type] = {}
+
+
+def is_spec(name: str) -> bool:
+    """Whether `name` is a `module:Class` or `file.py:Class` spec (not a registered name)."""
+    return ":" in name
+
+
+def _entry_point(name: str):
+    for ep in metadata.entry_points(group=GROUP):
+        if ep.name == name:
+            return ep
+    return None
+
+
+def entry_point_names() -> list[str]:
+    """Names installed distributions register in the `retention.scorers` group."""
+    return sorted({ep.name for ep in metadata.entry_points(group=GROUP)})
+
+
+def _import_file(path: Path):
+    """Import a Python file as a module of its own (named after its resolved path, so two files
+    with the same name never collide)."""
+    if not path.is_file():
+        raise RetentionError(f"no such file {path}")
+    mod_name = "retention_plugin_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[mod_name]
+        raise
+    return module
+
+
+def _target(name: str) -> tuple[str, str]:
+    """(`module or file:Class` target, how it was named) of a plugin name or spec."""
+    if is_spec(name):
+        return name, "spec"
+    ep = _entry_point(name)
+    if ep is None:
+        return "", ""
+    return ep.value, "entry point"
+
+
+def load_plugin(name: str) -> type | None:
+    """The `Scorer` subclass a plugin name or spec stands for; None when `name` is neither a spec nor
+    an installed entry-point name. Errors (import, missing class, not a Scorer) are one
+    `RetentionError` naming the plugin."""
+    if name in _loaded:
+        return _loaded[name]
+    target, how = _target(name)
+    if not target:
+        return None
+    from retention.scorers.base import Scorer
+
+    where, _, attr = target.rpartition(":")
+    if not where or not attr:
+        raise RetentionError(f"scorer plugin {name!r}: expected package.module:Class or path/to/file.py:Class")
+    try:
+        module = _import_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
+        cls = module
+        for part in attr.split("."):
+            cls = getattr(cls, part)
+    except RetentionError as exc:
+        raise RetentionError(f"scorer plugin {name!r} ({how} {target}): {exc}") from None
+    except AttributeError:
+        raise RetentionError(f"scorer plugin {name!r} ({how} {target}): {where} has no {attr!r}") from None
+    except BaseException as exc:  # noqa: BLE001 - whatever the plugin's import raises is one error line
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise RetentionError(f"scorer plugin {name!r} ({how} {target}) failed to import: "
+                             f"{type(exc).__name__}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
+        raise RetentionError(f"scorer plugin {name!r} ({how} {target}) is not a retention.scorers.Scorer subclass")
+    _loaded[name] = cls
+    return cls
+
+
+def _distribution(module) -> tuple[str | None, str | None]:
+    """(distribution name, version) that installed `module`'s top-level package, if any."""
+    top = module.__name__.partition(".")[0]
+    names = metadata.packages_distributions().get(top) or []
+    for dist_name in names:
+        try:
+            return dist_name, metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
+def source_files(cls: type) -> tuple[Path, list[Path]]:
+    """(root, files): the source file(s) a plugin class's behaviour comes from. A module that is part
+    of a package: every `*.py` file of its package folder (recursively; at most 200); a lone module
+    or file: itself. Keys of `sources_sha256` are the files relative to `root`."""
+    module = sys.modules.get(cls.__module__)
+    file = Path(getattr(module, "__file__", "") or "")
+    if not file.is_file():
+        return Path(), []  # defined in a notebook or an interactive session: `class_identity` hashes its source
+    file = file.resolve()
+    if module.__name__.startswith("retention_plugin_") or not getattr(module, "__package__", ""):
+        return file.parent, [file]
+    folder = file.parent
+    files = sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
+    if len(files) > MAX_SOURCE_FILES:
+        raise RetentionError(f"scorer plugin package {folder} has {len(files)} Python files; a plugin's own "
+                             f"package should be small (at most {MAX_SOURCE_FILES})")
+    return folder.parent, files
+
+
+def class_identity(cls: type, spec: str) -> dict:
+    """The identity of plugin class `cls` named `spec` (see `plugin_identity`). A class without a
+    source file (defined in a notebook) is hashed from its source text, keyed `module:qualname`."""
+    root, files = source_files(cls)
+    module = sys.modules.get(cls.__module__)
+    dist, version = (None, None) if module is None or module.__name__.startswith("retention_plugin_") or not files \
+        else _distribution(module)
+    shas = {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    if not files:  # no file: the class's own source text is what identifies it
+        import inspect
+
+        try:
+            text = inspect.getsource(cls)
+        except (OSError, TypeError):  # a notebook cell's class: its methods' source is still at hand
+            methods = []
+            for _, fn in sorted(vars(cls).items()):
+                try:  # methods dataclasses generate have no source; the class's own have
+                    methods.append(inspect.getsource(fn) if inspect.isfunction(fn) else "")
+                except (OSError, TypeError):
+                    continue
+            if not any(methods):
+                raise RetentionError(f"scorer class {cls.__qualname__} has neither a source file nor source text "
+                                     "to identify it by; define it in a module") from None
+            fields = sorted((k, repr(v)) for k, v in vars(cls).items() if not callable(v) and not k.startswith("__"))
+            text = "\n".join([repr(fields), *methods])
+        shas = {f"{cls.__module__}:{cls.__qualname__}": hashlib.sha256(text.encode()).hexdigest()}
+    return {"spec": spec, "distribution": dist, "version": version, "sources_sha256": shas}
+
+
+def register_class(cls: type) -> str:
+    """A name for a `Scorer` subclass given as an object (`retention.api`): its importable
+    `module:qualname` spec when importing that gives this very class, else the same text registered
+    for this process only (a class defined in a notebook); its identity hashes its source either way."""
+    from retention.scorers.base import Scorer
+
+    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
+        raise RetentionError(f"{cls!r} is not a retention.scorers.Scorer subclass")
+    name = f"{cls.__module__}:{cls.__qualname__}"
+    try:
+        found = load_plugin(name)
+    except RetentionError:
+        found = None
+    if found is not cls:
+        _loaded[name] = cls
+    return name
+
+
+def plugin_identity(name: str) -> dict | None:
+    """`{"spec", "distribution", "version", "sources_sha256": {file: sha256}}` of a plugin, None for a
+    name that is not a plugin (a built-in)."""
+    cls = load_plugin(name)
+    return None if cls is None else class_identity(cls, name)
+
+
+def stable_identity(identity: dict) -> dict:
+    """A plugin identity without the keys that change with its code (for the run id)."""
+    return {k: v for k, v in identity.items() if k not in VOLATILE_KEYS}
+
+
+def differing_keys(a, b, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two JSON-like objects (nested dicts compared key by key)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            sub = f"{prefix}.{key}" if prefix else str(key)
+            if key not in a or key not in b:
+                out.append(sub)
+            else:
+                out += differing_keys(a[key], b[key], sub)
+        return out
+    return [] if a == b and type(a) is type(b) else [prefix or "(value)"]
+
+
+def check_registered(registered, current) -> None:
+    """Refuse a plugin whose identity differs from the one registered in a plan or run, naming
+    what changed."""
+    if registered is None or registered == current:
+        return
+    keys = differing_keys({"scorer_plugin": registered}, {"scorer_plugin": current})
+    raise RetentionError(f"the scorer plugin changed since it was registered ({', '.join(keys)} differ); "
+                         "register the new code as a new plan or run it in a new --out")
+
+
+def refuse_other_code(run_dir: Path, config: dict) -> None:
+    """A new run of a scorer plugin next to a run of the same plugin from other code is refused:
+    a changed plugin's code can change more than its identity (its default sink, say, and so the
+    run id), and one results folder must not mix two versions of one mechanism."""
+    plugin = config.get("scorer_plugin")
+    if not isinstance(plugin, dict):
+        return
+    from protocol.io import load_json_object
+
+    for other in sorted(run_dir.parent.glob("*/config.json")):
+        if other.parent == run_dir:
+            continue
+        try:
+            theirs = load_json_object(other, "run configuration").get("config", {}).get("scorer_plugin")
+        except Exception:  # noqa: BLE001 - an unreadable neighbour is not this run's business
+            continue
+        if isinstance(theirs, dict) and theirs.get("spec") == plugin.get("spec") and theirs != plugin:
+            keys = differing_keys({"scorer_plugin": theirs}, {"scorer_plugin": plugin})
+            raise RetentionError(f"{other.parent} holds a run of scorer plugin {plugin.get('spec')!r} from other "
+                                 f"code ({', '.join(keys)} differ); run the changed plugin in a new --out")
