@@ -49,6 +49,7 @@ from protocol.grading.normalize import (MAX_ANSWER_CHARS, Chain, Clock, Dots, In
                                         NormalizeError, Rel, Seq, Text, Union, canonical, compact,
                                         parse)
 from protocol.grading.normalize import _text_key
+from protocol.grading.notation import decimal_comma
 
 __all__ = ["judge", "Unparsable", "MAX_INPUT_CHARS"]
 
@@ -91,7 +92,12 @@ def judge(pred: str, gold: str) -> bool:
         if _nesting(c) > 2 * MAX_DEPTH:
             raise Unparsable(f"nesting deeper than {2 * MAX_DEPTH}")
     try:
-        np_, ng = parse(cp), parse(cg)
+        cg = decimal_comma(cg, strict=True) or cg  # `3{,}5`, `1.234,56`: never a list
+        ng = parse(cg)
+        if isinstance(ng, Leaf):
+            # against one number, `3,5` can only mean 3.5 (a list never equals a number)
+            cp = decimal_comma(cp) or cp
+        np_ = parse(cp)
     except NormalizeError as exc:
         raise Unparsable(str(exc)) from None
     return _Comparator().equal(np_, ng)
@@ -468,7 +474,8 @@ class _Comparator:
         if isinstance(a, Chain) and isinstance(b, Chain):
             la, lb = self._label_of(a), self._label_of(b)
             if la is not None and lb is not None:
-                if compact(_node_text(la)) == compact(_node_text(lb)) or self._same_label(la, lb):
+                if (compact(_node_text(la)) == compact(_node_text(lb)) or self._same_label(la, lb)
+                        or _function_names(la, lb)):
                     return self.equal(a.parts[-1], b.parts[-1])
             if self._equations_equal(a, b):
                 return True
@@ -700,7 +707,7 @@ class _Comparator:
             try:
                 if heavy:
                     v = d.evalf(PREC, subs=pt)
-                    scale = max(abs(a.evalf(20, subs=pt)), abs(b.evalf(20, subs=pt)), 1)
+                    scale = max(abs(a.evalf(20, subs=pt)), abs(b.evalf(20, subs=pt)), sympy.Float(1))
                 else:
                     v = d.xreplace(pt)
                     if v.is_Rational:
@@ -708,7 +715,8 @@ class _Comparator:
                             return False
                         checked += 1
                         continue
-                    scale = max(abs(a.xreplace(pt).evalf(20)), abs(b.xreplace(pt).evalf(20)), 1)
+                    # a Float 1, not int 1: `_is_bad` needs a sympy number
+                    scale = max(abs(a.xreplace(pt).evalf(20)), abs(b.xreplace(pt).evalf(20)), sympy.Float(1))
                     v = v.evalf(PREC)
             except Exception:
                 continue
@@ -782,6 +790,21 @@ class _Comparator:
             except Exception:
                 continue
         return False
+
+
+_FUNCTION = re.compile(r"[A-Za-z]\(([A-Za-z])\)")
+
+
+def _function_names(la: Node, lb: Node) -> bool:
+    """`y` against `f(x)`, or `f(x)` against `g(x)` (one-letter functions of the same variable):
+    names for the same function, so `f(x) = 2x + 3` ~ `y = 2x + 3` when the right sides are
+    equal. Only those pairs: `x = 3` and `y = 3` name different unknowns, `f(x) = 3` is not
+    `x = 3`, and `y = 2` is not `f(2) = 2`."""
+    a, b = compact(_node_text(la)), compact(_node_text(lb))
+    fa, fb = _FUNCTION.fullmatch(a), _FUNCTION.fullmatch(b)
+    if fa and fb:
+        return fa.group(1) == fb.group(1)
+    return (a == "y" and fb is not None) or (b == "y" and fa is not None)
 
 
 def _clock_equal(a: Clock, b: Clock) -> bool:

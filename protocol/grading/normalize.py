@@ -19,6 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from protocol.grading.multilingual import DIGITS
+from protocol.grading.notation import list_matrix, undouble
+
 __all__ = ["canonical", "compact", "parse", "MAX_ANSWER_CHARS", "Node", "Leaf", "Text", "Seq", "Interval", "Union",
            "Chain", "Member", "Rel", "Dots", "Clock", "NormalizeError"]
 
@@ -190,8 +193,8 @@ def _match_close(s: str, i: int) -> int:
 
 def canonical(s: str) -> str:
     """The canonical LaTeX of a whole answer (see the module docstring)."""
-    s = _UNICODE_RE.sub(lambda m: _UNICODE[m.group(0)], s)
-    s = _DOUBLED.sub(r"\\", s)
+    s = _UNICODE_RE.sub(lambda m: _UNICODE[m.group(0)], s.translate(DIGITS))
+    s = _DOUBLED.sub(r"\\", undouble(s))
     s = _strip_outer(s)
     s = _STYLE.sub(" ", s)
     s = _LEFT_RIGHT.sub(lambda m: "" if m.group(1) in (None, ".") else m.group(1), s)
@@ -220,7 +223,7 @@ def canonical(s: str) -> str:
     if m and m.group(1).count("\\begin{pmatrix}") == 1:
         s = m.group(1)
     s = re.sub(r"(?:\\(?![a-zA-Z{}\\])|[.;,])+$", "", s).strip()  # `185\`, trailing period
-    return s
+    return list_matrix(s)
 
 
 def _brace(arg: str) -> str:
