@@ -404,7 +404,9 @@ class _Comparator:
         ka, kb = self._kind(a), self._kind(b)
         if {ka, kb} == {"set", "tuple"}:
             return False
-        ordered = "tuple" in (ka, kb) or any(isinstance(x, Dots) for x in a.items + b.items)
+        # `a = 3, b = 4` against `3, 4`: the names give the unnamed list its order
+        named = self._distinct_names(a) != self._distinct_names(b)
+        ordered = named or "tuple" in (ka, kb) or any(isinstance(x, Dots) for x in a.items + b.items)
         if ordered:
             return len(a.items) == len(b.items) and all(
                 self.equal(x, y) for x, y in zip(a.items, b.items))
@@ -418,6 +420,17 @@ class _Comparator:
                 return False
             unused.pop(hit)
         return True
+
+    def _distinct_names(self, s: Seq) -> bool:
+        """Whether every item is an equation naming a different unknown (`a = 3, b = 4`): the
+        answers to different parts, never an unordered set of values."""
+        if len(s.items) < 2 or not all(isinstance(x, Chain) for x in s.items):
+            return False
+        labels = [self._label_of(x) for x in s.items]
+        if any(lb is None for lb in labels):
+            return False
+        names = [compact(_node_text(lb)) for lb in labels]
+        return len(set(names)) == len(names)
 
     def _dedupe(self, items) -> list[Node]:
         out: list[Node] = []

@@ -30,12 +30,14 @@ _NUMERAL = (r"-?\d{1,3}(?:(?:,| )\d{3})+(?:\.\d+)?(?![\d,])"  # 1,234 / 1 234 56
             r"|-?\d+(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 LEAD_NUMBER = re.compile(rf"\s*(?P<num>{_CLOCK}|{_NUMERAL})"
                           r"(?P<unit>\s*(?:%|\\%|per\s?cent\b|percentage\s+points?\b|pct\b|degrees?\b|°))?")
-#: "is" and its kin; also the copulas of French, German, Spanish, Russian and Arabic ("Le prix est
-#: 12,75 €", "Die Summe beträgt 45"), whose "answer is" phrases `multilingual` rewrites. Not "son"
-#: (Spanish "are", an English noun).
-IS_WORD = re.compile(r"(?i)\b(?:is|are|was|were|equals|be|get|gives|est|sont|vaut|ist|sind|beträgt|"
-                     r"betragen|ergibt|es|vale|равен|равна|равно|равны|составляет|هو|هي|يساوي)\s+"
-                     r"|\bat\s+(?=\d{1,2}:\d{2})")
+#: "is" and its kin ("we get", "gives"); also the copulas and "we get" verbs of French, German,
+#: Spanish, Russian and Arabic ("Le prix est 12,75 €", "Die Summe beträgt 45", "On obtient 12",
+#: "Получаем 45"), whose "answer is" phrases `multilingual` rewrites. Not "son" (Spanish "are",
+#: an English noun).
+IS_WORD = re.compile(r"(?i)\b(?:is|are|was|were|equals|be|get|gives|est|sont|vaut|obtient|obtenons|"
+                     r"trouve|trouvons|ist|sind|beträgt|betragen|ergibt|erhalten|erhält|es|vale|"
+                     r"obtenemos|obtiene|равен|равна|равно|равны|составляет|получаем|получим|"
+                     r"получается|هو|هي|يساوي)\s+|\bat\s+(?=\d{1,2}:\d{2})")
 
 
 def number_words(s: str) -> tuple[str, int] | None:
