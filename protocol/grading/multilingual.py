@@ -161,7 +161,7 @@ def to_common(text: str) -> str:
         text = _MARKS_RE.sub(lambda m: _MARKS[m.group(0)], text.translate(DIGITS))
         text = text.translate(_FULLWIDTH)
         text = _CJK_GAP.sub(" ", text)
-        text = _PERCENT_WORDS.sub(" percent", text)
+    text = _PERCENT_WORDS.sub(" percent", text)
     last = max(0, len(text) - PHRASE_WINDOW)
     out = [text[:last]]
     for m in _PHRASES.finditer(text, last):

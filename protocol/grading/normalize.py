@@ -356,7 +356,14 @@ def _as_text(s: str) -> Text | None:
     return Text(_text_key(inner))
 
 
+#: Chinese and Japanese measure words and units after a number ("5个", "12 元", "3天"): up to four
+#: CJK characters closing the leaf.
+_CJK_UNIT = re.compile(r"(?<=[\d}\s])\s*[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff]{1,4}\s*$")
+
+
 def _strip_units(s: str) -> str:
+    if re.match(r"-?\d", s):
+        s = _CJK_UNIT.sub("", s)
     # words in \text{} next to math are units or prose ("17\text{ any text}", "15\mbox{ cm}^2");
     # a \text{} holding math (\text{13}) is unwrapped instead
     def repl(m: re.Match) -> str:

@@ -108,9 +108,22 @@ def prose_value(rest: str) -> str | None:
         return digits + ("" if unit is None else "^\\circ" if unit.group(1).startswith("deg")
                          else "\\%")
     seg = _SENTENCE_END.split(rest[:200], maxsplit=1)[0].strip().rstrip(".,;:")
-    if m is not None or (seg and len(seg.split()) <= 4):
+    if m is not None or (seg and len(seg.split()) <= 4) or looks_like_math(seg):
         return seg or None
     return None
+
+
+_MATH_WORDS = frozenset("sin cos tan cot sec csc log ln exp lim max min".split())
+
+
+def looks_like_math(seg: str) -> bool:
+    """A long expression written without delimiters ("x^2 + 2x + 1 - \\frac{1}{x}"): operators
+    or LaTeX commands, and no word of two or more letters but function names. Prose ("the number
+    of ways to choose 3") has words and is not taken whole."""
+    if not re.search(r"[+\-*/^=]|\\[A-Za-z]", seg):
+        return False
+    words = re.findall(r"[A-Za-z]{2,}", re.sub(r"\\[A-Za-z]+", " ", seg))
+    return all(w.lower() in _MATH_WORDS for w in words)
 
 
 #: The end of a complete sentence: a period that is not a decimal point, "!", "?", a line end.

@@ -14,7 +14,10 @@ __all__ = ["find_boxes", "math_spans", "group_runs", "part_answer", "named_answe
            "join"]
 
 _BOX_CMD = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_CONNECTOR_WORDS = re.compile(r"[A-Za-z()']+")
+_CONNECTOR_WORDS = re.compile(r"(?:[^\W\d_]|[()'])+")
+#: "and"/"or" of the languages `multilingual` reads: "$x = 1$ o $x = 3$" is one answer, as in English.
+_AND_OR = frozenset(("and", "or", "y", "o", "e", "et", "ou", "und", "oder", "и", "или", "或", "或者", "和",
+                     "及", "または", "و", "أو", "या", "और"))
 _TEXT_CMD = re.compile(r"\\(?:text|textnormal|mbox|textbf|textrm|mathrm|textit)\s*\{([^{}]*)\}")
 
 def _escaped(text: str, i: int) -> bool:
@@ -157,7 +160,7 @@ def is_connector(gap: str) -> bool:
     if not words or len(words) > 6:
         return False
     lower = [w.lower() for w in words]
-    return lower[-1] in ("and", "or") or g.endswith(",") or bool(_HEDGE_WORDS.intersection(lower))
+    return lower[-1] in _AND_OR or g.endswith(",") or bool(_HEDGE_WORDS.intersection(lower))
 
 
 def group_runs(items: list[tuple[int, int, str]], text: str,

@@ -72,9 +72,17 @@ def test_kind_corpus_agrees_with_no_false_positive(kind_results, kind):
     ("Получаем 45.", "45"), ("الجواب هو ١٢", "12"), ("الإجابة: ٣٫٥", "3.5"),
     ("إذن الإجابة النهائية هي 7.", "7"), ("अंतिम उत्तर: १५", "15"), ("इसलिए उत्तर 8 है।", "8"),
     ("अतः, कुल 6 तरीके हैं।", "6"), ("On obtient donc 12.", "12"),
+    ("Respuesta: $x = \\frac{1}{2}$ o $x = 3$", "x = \\frac{1}{2}, x = 3"),  # "o" is "or"
+    ("Die Antwort ist 40 Prozent.", "40\\%"),
 ])
 def test_final_statements_in_other_languages(text, answer):
     assert extract_answer(text)[0] == answer
+
+
+def test_chinese_units_after_a_number_are_dropped():
+    got = grade_many([("$\\boxed{5个}$", "5"), ("$\\boxed{12 元}$", "12"), ("$\\boxed{5个}$", "6")],
+                     timeout=TIMEOUT)
+    assert [g.verdict for g in got] == [True, True, False]
 
 
 def test_numerals_of_other_scripts_and_chinese_numerals():
@@ -153,6 +161,7 @@ def test_decimal_comma_needs_a_one_number_reference():
     ("In total, the farmer planted 48 trees.\n\nFeel free to ask if anything is unclear.", "48"),
     ("In the end, Sam ends up with 15 marbles.", "15"),
     ("The growth rate is 8 percentage points.", "8\\%"),
+    ("So the simplified form is x^2 + 2x + 1 - \\frac{1}{x}.", "x^2 + 2x + 1 - \\frac{1}{x}"),
 ])
 def test_prose_final_statements(text, answer):
     assert extract_answer(text)[0] == answer
@@ -162,6 +171,7 @@ def test_prose_final_statements(text, answer):
     "John has 5 apples. Mary has 3 more than John. She gives away 2 of hers.",  # no conclusion
     "So she ran 3 laps on Monday and 4 laps on Tuesday.",                        # two numbers
     "So he needs one more bag.",                                                 # "one" is a pronoun
+    "So the area is the number of ways to choose 3 of the 7 books.",            # words, not math
 ])
 def test_prose_guard_no_final_statement(text):
     assert extract_answer(text)[0] is None
