@@ -40,7 +40,7 @@ from protocol.grading.evaluate import MAX_DEPTH, Scalar, Unparsable, nesting, to
 from protocol.grading.normalize import (MAX_ANSWER_CHARS, Chain, Clock, Dots, Interval, Leaf, Member, Node,
                                         NormalizeError, Rel, Seq, Text, Union, canonical, compact,
                                         parse)
-from protocol.grading.normalize import _text_key
+from protocol.grading.leaves import text_key
 from protocol.grading.notation import decimal_comma
 from protocol.grading.scalars import const_ratio, expr_equal, free, scalar_equal
 
@@ -120,8 +120,8 @@ class _Comparator:
 
     # ---- text
     def _text_equal(self, a: Node, b: Node) -> bool:
-        ta = a.text if isinstance(a, Text) else (_text_key(a.text) if isinstance(a, Leaf) else None)
-        tb = b.text if isinstance(b, Text) else (_text_key(b.text) if isinstance(b, Leaf) else None)
+        ta = a.text if isinstance(a, Text) else (text_key(a.text) if isinstance(a, Leaf) else None)
+        tb = b.text if isinstance(b, Text) else (text_key(b.text) if isinstance(b, Leaf) else None)
         return ta is not None and ta == tb
 
     # ---- lists, tuples, sets
