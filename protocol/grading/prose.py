@@ -146,10 +146,14 @@ def no_meridiem_dots(s: str) -> str:
     return re.sub(r"([ap])\.m\.", r"\1m.", s)  # "p.m." may also end the sentence
 
 
+_SPELLED = re.compile(r"(?i)\b(?:" + "|".join(w for w in _NUMBER_WORDS if w not in ("zero", "one")) + r")\b")
+
+
 def states_more(rest: str) -> bool:
-    """Whether text after a sentence could state a value (a digit, math, a box): closing
-    remarks without one ("I hope this helps!") do not displace the concluding sentence."""
-    return bool(re.search(r"[0-9$\\]", rest))
+    """Whether text after a sentence could state a value (a digit, math, a box, an English number
+    from two up: "So we need to consider two cases."): closing remarks without one ("I hope this
+    helps!") do not displace the concluding sentence."""
+    return bool(re.search(r"[0-9$\\]", rest) or _SPELLED.search(rest))
 
 
 #: Words that address the reader: a closing remark ("Feel free to ask if anything is unclear.",
@@ -215,10 +219,18 @@ _ANY_NUMBER = re.compile(rf"(?<![\w.])(?:{_CLOCK}|{_NUMERAL})")
 _WORD_START = re.compile(r"(?<![A-Za-z-])[A-Za-z]+")
 
 
+#: Words after which a spelled number states a result ("increased by twenty-five percent", "has
+#: seventeen"); elsewhere a small number word is working ("we need to consider two cases").
+_RESULT_BEFORE = re.compile(r"(?i)\b(?:is|are|was|were|has|have|had|by|equals|needs|costs|totals|makes|"
+                            r"holds|contains|gets|got|of|remain|remains|left)\s+$")
+
+
 def _spelled_number(sentence: str) -> int | None:
     """Where the one English number of a sentence without digits starts ("Thus the price
-    increased by twenty-five percent."), or None when it has none or several. A bare "one" is a
-    pronoun ("each one weighs") unless a fraction or percent follows it."""
+    increased by twenty-five percent."), or None when it has none, several, or one that does not
+    state a result: it must be a percentage or a fraction, or follow a result word ("has", "by",
+    "is", ...): "So we need to consider two cases." states nothing, and a bare "one" is a pronoun
+    ("each one weighs")."""
     found, used_to = [], 0
     for m in _WORD_START.finditer(sentence):
         if m.start() < used_to or m.group(0).lower() not in _NUMBER_WORDS:
@@ -227,10 +239,14 @@ def _spelled_number(sentence: str) -> int | None:
         if words is None:
             continue
         used_to = m.start() + words[1]
-        if words[0] == "1" and not re.match(r"\s*(?:percent|per cent)\b", sentence[used_to:], re.I):
+        percent = re.match(r"\s*(?:percent|per cent)\b", sentence[used_to:], re.I)
+        if words[0] == "1" and not percent:
             continue
-        found.append(m.start())
-    return found[0] if len(found) == 1 else None
+        if percent or "/" in words[0] or _RESULT_BEFORE.search(sentence[:m.start()]):
+            found.append(m.start())
+        else:
+            found.append(-1)  # a number that states no result: the sentence is working
+    return found[0] if len(found) == 1 and found[0] >= 0 else None
 
 
 def conclusion(text: str) -> tuple[int, str] | None:

@@ -171,6 +171,7 @@ def test_prose_final_statements(text, answer):
     "John has 5 apples. Mary has 3 more than John. She gives away 2 of hers.",  # no conclusion
     "So she ran 3 laps on Monday and 4 laps on Tuesday.",                        # two numbers
     "So he needs one more bag.",                                                 # "one" is a pronoun
+    "So we need to consider two cases.",                      # a number word that states no result
     "So the area is the number of ways to choose 3 of the 7 books.",            # words, not math
 ])
 def test_prose_guard_no_final_statement(text):
