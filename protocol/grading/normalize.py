@@ -111,8 +111,10 @@ def _match_set_close(s: str) -> int:
 
 _THOUSANDS_PLAIN = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _THOUSANDS_SPACE = re.compile(r"-?\d{1,3}(?: \d{3})+(?:\.\d+)?")
-_AND_OR = re.compile(r"\\(?:text|mbox|textrm|textbf)\s*\{\s*(?:and|or)\s*\}|(?<![A-Za-z\\])(?:and|or)"
-                     r"(?![A-Za-z])")
+# "and"/"or" between items, also in the languages `multilingual` reads (not the one-letter ones,
+# "y", "o", "e", which are variables in math)
+_AND_OR = re.compile(r"\\(?:text|mbox|textrm|textbf)\s*\{\s*(?:and|or|et|ou|und|oder|y|o|e|и|или|或|和)\s*\}|(?<![A-Za-z\\])(?:and|or)"
+                     r"(?![A-Za-z])|(?<![^\W\d_])(?:et|ou|und|oder|или|أو|या|और)(?![^\W\d_])|或者|或|和")
 _INEQ = ("<", ">", "\\leq", "\\geq", "\\neq")
 _LABEL_TEXT = re.compile(r"[A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?'?(?:\([A-Za-z]\))?")
 MAX_ITEMS = 64

@@ -79,6 +79,13 @@ def test_final_statements_in_other_languages(text, answer):
     assert extract_answer(text)[0] == answer
 
 
+def test_and_or_of_other_languages_join_items():
+    got = grade_many([("Ответ: x = 2 или x = 3", "2, 3"), ("Ответ: x = 2 или x = 3", "3"),
+                      ("$\\boxed{2 \\text{ und } 3}$", "2, 3"), ("$\\boxed{\\theta}$", "\\theta")],
+                     timeout=TIMEOUT)
+    assert [g.verdict for g in got] == [True, False, True, True]
+
+
 def test_chinese_units_after_a_number_are_dropped():
     got = grade_many([("$\\boxed{5个}$", "5"), ("$\\boxed{12 元}$", "12"), ("$\\boxed{5个}$", "6")],
                      timeout=TIMEOUT)
