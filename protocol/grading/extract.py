@@ -2,7 +2,9 @@
 
 First the text that can hold the final answer is cut out (`_clean`, `_final_part`): the model's
 own turn (up to a chat-template marker that follows content), the part after ``</think>`` (an
-unclosed ``<think>`` is a trace cut off before its answer), without markdown bold/headings.
+unclosed ``<think>`` is a trace cut off before its answer), with other languages' final-answer
+phrases and numerals in English form (`multilingual.to_common`), without markdown
+bold/headings. Boxes and math spans are found by `spans`, values in prose read by `prose`.
 Then rules, tried in this order; the name of the one that fired is returned with the answer:
 
 ``boxed``
@@ -10,7 +12,8 @@ Then rules, tried in this order; the name of the one that fired is returned with
     braces, ``\\boxed 5``). Boxes in one clause (nothing, punctuation, ``\\quad``, "and", "or",
     a hedge such as "or maybe" or "Alternatively,") are one answer joined with ", ", so
     ``\\boxed{898} \\boxed{900}`` gives ``898, 900``, never ``898900``. Boxes that answer
-    labelled parts ((a), (b), ...) form one ordered tuple. A "final answer is ..." statement
+    labelled parts ((a), (b), ...) form one ordered tuple, boxes naming different unknowns
+    (``a = \\boxed{3}``, ``b = \\boxed{4}``) the ordered list ``a = 3, b = 4``. A "final answer is ..." statement
     *after* the last box wins; a number restated in a concluding sentence after a one-number box
     becomes a second stated answer (`Extraction.others`), and credit needs both.
 ``final_answer``
