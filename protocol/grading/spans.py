@@ -172,7 +172,7 @@ def group_runs(items: list[tuple[int, int, str]], text: str,
     for prev in reversed(items[:-1]):
         gap = text[prev[1]:group[-1][0]]
         if named:
-            gap = _NAME_BEFORE.sub("", gap[-_NAME_WINDOW:]) if len(gap) <= 80 else gap
+            gap = gap[:-_NAME_WINDOW] + _NAME_BEFORE.sub("", gap[-_NAME_WINDOW:])
         if is_connector(gap):
             group.append(prev)
         else:
