@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from protocol.grading.extract import RULES, extract_answer, extract_final, find_boxes
+from protocol.grading.spans import box_answer
 from protocol.grading.normalize import MAX_ANSWER_CHARS
 
 __all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final",
@@ -50,11 +51,13 @@ class Grade:
 
 def _reference(gold: str) -> str:
     """The reference answer: MATH golds are bare LaTeX; a gold holding `\\boxed{}` (a full
-    solution) is reduced to its last box."""
+    solution, or one box per value) is reduced to what its boxes state, read as in a model
+    output: the last group of boxes ("\\boxed{1}, \\boxed{2}" is "1, 2"), named or labelled
+    parts included."""
     if not isinstance(gold, str):
         raise TypeError(f"gold must be a string, got {type(gold).__name__}")
     boxes = find_boxes(gold)
-    return boxes[-1][2] if boxes else gold
+    return box_answer(boxes, gold) if boxes else gold
 
 
 def _check_timeout(timeout: float) -> float:

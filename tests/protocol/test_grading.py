@@ -7,6 +7,7 @@ All grading goes through the process-wide worker pool, so the workers start once
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,9 @@ from protocol.data import load_problems
 from protocol.grading import Grade, extract_answer, grade, grade_many
 
 ROOT = Path(protocol.__file__).resolve().parent.parent
-CASES = ROOT.parent / "shared" / "grading" / "cases.jsonl"
+# the shared folder beside the clone; RETENTION_SHARED names it elsewhere (a git worktree)
+SHARED = Path(os.environ.get("RETENTION_SHARED") or ROOT.parent / "shared")
+CASES = SHARED / "grading" / "cases.jsonl"
 CORPUS_DIR = Path(__file__).resolve().parent / "grading_corpus"
 CORPUS = CORPUS_DIR / "corpus.jsonl"
 TIMEOUT = 10.0  # generous: these tests are about verdicts; safety has its own tests
@@ -90,7 +93,7 @@ def test_corpus_is_what_its_generator_writes(corpus):
     """The data file is the generator's output (no hand edits outside handwritten.jsonl)."""
     import importlib.util
 
-    data = ROOT.parent / "shared" / "data" / "math500.jsonl"
+    data = SHARED / "data" / "math500.jsonl"
     if not data.exists():
         pytest.skip("MATH-500 data not present")
     spec = importlib.util.spec_from_file_location("make_corpus", CORPUS_DIR / "make_corpus.py")
