@@ -77,7 +77,10 @@ def split_gguf_cache(spec: SplitGGUF) -> tuple[Path, str]:
                              f"sha256 {sha[:16]}..., expected {spec.size:,} B, {spec.sha256[:16]}...); reinstall "
                              f"them with {spec.install_hint()}")
     if info is not None and info.get("source_sha256") == sha:
-        return folder, sha  # same content, reinstalled: the existing conversion stands
+        # Same content, reinstalled: the conversion stands; remember the new files so that the
+        # next load need not re-hash them.
+        _replace_json(folder / _CACHE_MARKER, dict(info, source_files=fingerprint))
+        return folder, sha
     folder.parent.mkdir(parents=True, exist_ok=True)
     assembled = folder.parent / f".{spec.alias}.assembling-{uuid.uuid4().hex}.gguf"
     try:
@@ -124,9 +127,14 @@ def _write_index(key: str, entry: dict[str, Any]) -> None:
     if index.get(key) == entry:
         return
     index[key] = entry
-    tmp = _index_path().with_name(f".gguf-files.{uuid.uuid4().hex}.json")
-    tmp.write_text(json.dumps(index, indent=2) + "\n")
-    os.replace(tmp, _index_path())  # atomic: a concurrent reader sees the old or the new index
+    _replace_json(_index_path(), index)
+
+
+def _replace_json(path: Path, content: dict[str, Any]) -> None:
+    """Write `path` atomically: a concurrent reader sees the old or the new content, never a part."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    tmp.write_text(json.dumps(content, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _convert(gguf: Path, folder: Path, marker: dict[str, Any], *, replace: bool) -> None:

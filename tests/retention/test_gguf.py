@@ -5,6 +5,7 @@ the conversion into a bf16 cache. On a small synthetic GGUF written here with th
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -147,6 +148,19 @@ def test_split_model_converts_once(split_model, monkeypatch):
     monkeypatch.setattr(gguf_module, "_convert", lambda *a, **k: pytest.fail("converted twice"))
     monkeypatch.setattr(gguf_module, "sha256_files", lambda *a, **k: pytest.fail("re-hashed unchanged parts"))
     assert load_model("tiny-split").revision == split_model[0].sha256
+
+
+def test_reinstalled_identical_parts_are_hashed_once_and_not_reconverted(split_model, monkeypatch):
+    spec, parts = split_model
+    load_model("tiny-split")
+    os.utime(parts[0], ns=(1, 1))  # a reinstall: same bytes, new mtime
+    calls = []
+    real = gguf_module.sha256_files
+    monkeypatch.setattr(gguf_module, "sha256_files", lambda paths: calls.append(1) or real(paths))
+    monkeypatch.setattr(gguf_module, "_convert", lambda *a, **k: pytest.fail("reconverted identical parts"))
+    assert load_model("tiny-split").revision == spec.sha256
+    assert load_model("tiny-split").revision == spec.sha256
+    assert calls == [1]
 
 
 def test_corrupted_part_is_refused_before_anything_is_written(split_model, cache):
