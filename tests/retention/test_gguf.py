@@ -252,3 +252,21 @@ def test_bad_gguf_files_are_refused_in_one_line(tmp_path, cache):
     with pytest.raises(RetentionError) as exc:
         model_layout(str(junk))
     assert "not a readable GGUF" in _one_line(exc)
+
+
+def test_run_accepts_a_gguf_file_and_records_its_sha256(tiny_gguf, cache, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from retention.cli import main
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["run", "--model", str(tiny_gguf), "--scorer", "streaming", "--limit", "1", "--temperature",
+                                    "0", "--max-new-tokens", "2", "--budget-bytes", "64", "--quiet", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    (run_dir,) = list(out.iterdir())
+    config = json.loads((run_dir / "config.json").read_text())["config"]
+    assert config["model_revision"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert config["model_id"] == str(tiny_gguf.resolve()) and config["budget"] == 64  # 1 KiB per token (4x2x16x2x4 B)
+    assert len((run_dir / "records.jsonl").read_text().splitlines()) == 1
