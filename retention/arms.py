@@ -70,7 +70,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 # so that `confirm` can compare what was planned with what ran, key by key.
 _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent",
              "protect_prompt", "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos",
-             "engine"}
+             "engine", "dataset"}
 
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).
@@ -164,6 +164,14 @@ def validate_arm(cfg: dict):
         raise RetentionError(f"--accounting must be mean, prefill or peak, got {cfg.get('accounting')!r}")
     if cfg.get("split", "dev") not in ("dev", "confirm"):
         raise RetentionError(f"--split must be dev or confirm, got {cfg.get('split')!r}")
+    from protocol.data import DATASETS
+
+    # Absent means math500, so that MATH-500 configurations keep the hash they had before AIME.
+    if cfg.get("dataset", "math500") not in DATASETS or cfg.get("dataset") == "math500":
+        raise RetentionError(f"--dataset must be one of {', '.join(DATASETS)} (math500 is written by leaving it "
+                             f"out), got {cfg.get('dataset')!r}")
+    if cfg.get("dataset") is not None and cfg.get("data") is not None:
+        raise RetentionError(f"--data gives a MATH-500 copy; {cfg['dataset']} is always the shipped copy")
     for key in ("fidelity", "ignore_eos"):
         if not isinstance(cfg.get(key, False), bool):
             raise RetentionError(f"{key} must be true or false, got {cfg.get(key)!r}")

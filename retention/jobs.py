@@ -34,7 +34,7 @@ def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: fl
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
             out: Path, progress=True, problems=None, extra_config=None, shard=None, batch_size=None,
-            splits_dir=None, engine="hf"):
+            splits_dir=None, engine="hf", dataset="math500"):
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
     shard: a `retention.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
@@ -42,19 +42,25 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     engine of `retention.engines` (non-evicting arms only).
     batch_size: sequences decoded together; None chooses one for the device and budget (printed).
     It is not part of the configuration hash: records do not depend on it (batch invariance), so a
-    run resumes at any batch size; each record notes the batch size it was decoded in."""
-    from protocol.splits import load_split
+    run resumes at any batch size; each record notes the batch size it was decoded in.
+    dataset: math500 (dev or confirm split) or an AIME set, which has no dev split: a dev run explores
+    its whole set, and that is recorded in the exploration registry (`protocol.exploration`).
+    The model's prompt style goes into each configuration as `prompt` unless it is "chat"."""
+    from protocol.splits import run_problems
     from retention.merge import open_shard_run
     from retention.models import load_model
     from retention.runner import Arm, auto_batch_size, run_arms
 
     if problems is None:
-        problems = load_split(split, data_path=data_path, splits_dir=splits_dir)
+        problems = run_problems(split, dataset, data_path=data_path, splits_dir=splits_dir)
         if limit:
             problems = problems[:limit]
+    explores = split == "dev" and dataset != "math500"  # an AIME set has no dev split: this explores it
     if engine not in ("hf", "reference"):
         from retention.engines.run import execute_with_engine
 
+        if explores:
+            _record_exploration(dataset, problems, [])
         return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
                                    sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
                                    extra_config=extra_config, shard=shard)
@@ -65,14 +71,25 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         loaded = on_reference_engine(loaded)
     arms = []
     for name, config, params, cadence in arm_specs:
-        config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **(extra_config or {}))
+        prompt = {} if loaded.prompt == "chat" else {"prompt": loaded.prompt}
+        config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
+    if explores:
+        _record_exploration(dataset, problems, [a.run.hash for a in arms])
     if batch_size is None:
         batch_size = min(auto_batch_size(loaded, a.cadence, sampling["max_new_tokens"]) for a in arms)
         print(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", file=sys.stderr)
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
              grade=grade, progress=progress, shard=shard, batch_size=batch_size)
     return [a.run.path for a in arms]
+
+
+def _record_exploration(dataset: str, problems, config_hashes: list[str]) -> None:
+    """Remember that these problems of `dataset`'s confirm set were explored (before decoding: a
+    run stopped halfway has seen its problems too)."""
+    from protocol.exploration import record_exploration
+
+    record_exploration(dataset, [p.unique_id for p in problems], config_hashes)
 
 
 def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, splits_dir=None, shard=None) -> Path:
@@ -86,7 +103,7 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
 
     cfg = dict(arm_config)
     unknown = sorted(set(cfg) - _ARM_KEYS - {"model", "budget", "samples", "seed", "max_new_tokens", "split",
-                                             "plan_hash", "model_revision"})
+                                             "plan_hash", "model_revision", "prompt"})
     if unknown:
         raise RetentionError(f"plan arm configuration has unknown key(s) {unknown}; allowed: {sorted(_ARM_KEYS)}")
     if cfg.get("split") != "confirm":
@@ -102,11 +119,14 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
             "fidelity": bool(cfg.get("fidelity", False)), **sampling}
     if "engine" in cfg:
         base["engine"] = cfg["engine"]
+    dataset = cfg.get("dataset", "math500")
+    if dataset != "math500":
+        base["dataset"] = dataset
     try:
         spec = validate_arm(dict(base, scorer=cfg["scorer"], scorer_params=params))
     except RetentionError as exc:  # bad input, not a crash: confirm must not log it as one
         raise ProtocolError(str(exc)) from None
-    problems = load_split("confirm", data_path=base["data"], splits_dir=splits_dir)
+    problems = load_split("confirm", data_path=base["data"], splits_dir=splits_dir, dataset=dataset)
     if base["limit"]:
         problems = problems[: int(base["limit"])]
     # A pinned model revision that differs from the loaded one shows up as a logged deviation.
@@ -114,6 +134,6 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
     dirs = execute(base["model"], base["dtype"], base["device"], [spec], split="confirm", data_path=base["data"],
                    limit=base["limit"], samples=base["samples"], seed=base["seed"], sampling=sampling,
                    fidelity=base["fidelity"], grade=True, out=Path(out_dir), progress=True, problems=problems,
-                   extra_config=extra, shard=shard, engine=base.get("engine", "hf"))
+                   extra_config=extra, shard=shard, engine=base.get("engine", "hf"), dataset=dataset)
     return dirs[0]
 

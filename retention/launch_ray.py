@@ -175,9 +175,9 @@ def ray_options(job: dict, *, address: str | None, shards: int | None, gpus_per_
 
 def launch_from_cli(job: dict, opts: RayOptions, *, progress: bool) -> list[Path]:
     """`retention run --ray`: count the pairs, launch the shards, merge them."""
-    from protocol.splits import load_split
+    from protocol.splits import run_problems
 
-    n_problems = len(load_split(job["split"], data_path=job["data_path"], splits_dir=job.get("splits_dir")))
+    n_problems = len(run_problems(job["split"], job.get("dataset", "math500"), job["data_path"], job.get("splits_dir")))
     if job.get("limit"):
         n_problems = min(n_problems, int(job["limit"]))
     return launch(job, opts, n_pairs=n_problems * int(job["samples"]), progress=progress)

@@ -136,9 +136,9 @@ def _differing_keys(a: dict, b: dict) -> list[str]:
 
 def _expected_pairs(config: dict) -> list[tuple[str, int]]:
     """Every (problem_id, sample) of a run, in run order (pair j is the j-th), from its configuration."""
-    from protocol.splits import load_split
+    from protocol.splits import run_problems
 
-    problems = load_split(config["split"], data_path=config.get("data"))
+    problems = run_problems(config["split"], config.get("dataset", "math500"), config.get("data"))
     if config.get("limit"):
         problems = problems[: int(config["limit"])]
     samples = int(config["samples"])

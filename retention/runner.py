@@ -325,9 +325,11 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
 
 
 def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, batch_size: int) -> dict:
+    from retention.models import output_text
+
     return make_record(config_hash=arm.run.hash, problem_id=p.unique_id, sample=s, seed=seed,
                        prompt_tokens=len(prompt), token_ids=g.token_ids,
-                       text=tok.decode(g.token_ids, skip_special_tokens=True), finish_reason=g.finish_reason,
+                       text=output_text(tok, prompt, g.token_ids), finish_reason=g.finish_reason,
                        meter=g.meter, cadence=arm.cadence, wall_seconds=g.wall_seconds, batch_size=batch_size,
                        gold=getattr(p, "answer", None), grader=grader, fidelity=g.fidelity)
 
@@ -376,7 +378,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                 continue
             reqs = []
             for p, s in todo:
-                prompt = prompts.setdefault(p.unique_id, format_prompt(tok, p.problem))
+                prompt = prompts.setdefault(p.unique_id, format_prompt(tok, p.problem, getattr(loaded, "prompt", "chat")))
                 reqs.append(Request((p, s), prompt, derive_seed(base_seed, p.unique_id, s)))
 
             def on_finish(req, g, _arm=arm):

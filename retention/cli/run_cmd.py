@@ -45,9 +45,10 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 
 @click.command("run")
 @click.option("--model", default="smollm2-135m", show_default=True,
-              help="Model alias (r1-distill-qwen-7b, r1-distill-llama-8b, smollm2-135m, tiny-random; reference "
-                   "layout models tiny-kv, tiny-cla, tiny-mla, tiny-qk-norm-mla, tiny-path-concat, tiny-path-residual, "
-                   "tiny-path-mla) or a local folder.")
+              help="Model alias (r1-distill-qwen-7b, r1-distill-llama-8b, smollm2-135m, qwen2.5-coder-0.5b, "
+                   "qwen2.5-coder-1.5b, tiny-random; reference layout models tiny-kv, tiny-cla, tiny-mla, "
+                   "tiny-qk-norm-mla, tiny-path-concat, tiny-path-residual, tiny-path-mla), a local folder or a "
+                   "local .gguf file.")
 @click.option("--scorer", "scorers", multiple=True, default=("alpha",), show_default=True,
               help="Retention scorer (a built-in, an installed plugin's name, package.module:Class or "
                    "path/to/file.py:Class: docs/plugins.md); several as a comma list or repeated option run over "
@@ -80,6 +81,9 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
               help="Problems of this frozen split (confirm only through `retention confirm --plan`).")
 @click.option("--data", "data_path", type=click.Path(dir_okay=False, exists=True), default=None,
               help="MATH-500 JSONL (default: the copy shipped with the package); verified against the split manifest.")
+@click.option("--dataset", type=click.Choice(["math500", "aime24", "aime25"]), default="math500", show_default=True,
+              help="math500 (its dev split) or an AIME set (no dev split: all 30 problems, recorded as explored, so a "
+                   "later confirmation on it is flagged).")
 @splits_dir_option
 @click.option("--limit", type=int, default=None, callback=_positive("--limit"), help="Only the first N problems of the split.")
 @click.option("--samples", type=int, default=1, show_default=True, callback=_positive("--samples"), help="Samples k per problem.")
@@ -114,7 +118,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
                    "reference MLA modules (latent-cache h2o and snapkv too); vllm: vLLM's offline API for "
                    "non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
-                window, routing, stats_path, split, data_path, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
+                window, routing, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
                 seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
                 shards, gpus_per_shard, cpus_per_shard, retries, engine):
     """Generate on the dev split under retention policies and write resumable run directories.
@@ -149,6 +153,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
             "fidelity": fidelity, **sampling}
     if budget_kib is not None:
         base["budget_kib"] = budget_kib
+    if dataset != "math500":  # absent means math500: earlier configurations keep their hash
+        base["dataset"] = dataset
     if engine == "reference":  # its own numerics: its runs never share a configuration with hf's
         base["engine"] = engine
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
@@ -158,7 +164,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
                  for name in names]
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-               out=Path(out), batch_size=batch_size, splits_dir=splits_dir, engine=engine)
+               out=Path(out), batch_size=batch_size, splits_dir=splits_dir, engine=engine, dataset=dataset)
     ray_opts = None
     given = [f for f, v in (("--gpus-per-shard", gpus_per_shard), ("--cpus-per-shard", cpus_per_shard),
                             ("--retries", retries)) if v is not None]
@@ -172,7 +178,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         ray_opts = ray_options(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
                                cpus_per_shard=cpus_per_shard, retries=retries, shard=shard)
     check_writable_dir(Path(out), "--out")
-    _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device)
+    _announce_size(arm_specs, split if dataset == "math500" else dataset, data_path, limit, samples, max_new_tokens,
+                   device)
     if ray_opts is not None:
         from retention.launch_ray import launch_from_cli
 
@@ -205,7 +212,7 @@ def _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, 
         return
     from protocol.splits import COUNTS
 
-    n = COUNTS.get(split, 0)
+    n = COUNTS.get(split, 30)  # an AIME set: its 30 problems
     total = n * samples * len(arm_specs) * max_new_tokens
     click.echo(f"note: no --limit on a CPU: up to {n} problems x {samples} sample(s) x {len(arm_specs)} arm(s) x "
                f"{max_new_tokens:,} tokens = {total:,} tokens to generate (use --limit N to try a few)", err=True)

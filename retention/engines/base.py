@@ -81,12 +81,12 @@ def refuse_evicting(arm_specs, engine_name: str) -> None:
 
 def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, problems, *, samples: int,
                     base_seed: int, sampling: dict, eos_ids: set[int], grade: bool = True, shard=None,
-                    batch: int = 64, progress: bool = True) -> None:
+                    batch: int = 64, progress: bool = True, prompt_style: str = "chat") -> None:
     """Generate every missing (problem, sample) record of every arm through `engine`, `batch`
     requests at a time (records are flushed after each batch, so an interrupted run resumes)."""
     from tqdm import tqdm
 
-    from retention.models import format_prompt
+    from retention.models import format_prompt, output_text
     from retention.runner import derive_seed
     from retention.shard import shard_pairs
 
@@ -102,7 +102,7 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
         bar.update(len(pairs) - len(todo))
         for start in range(0, len(todo), batch):
             requests = [Request(p.unique_id, s, derive_seed(base_seed, p.unique_id, s),
-                                prompts.setdefault(p.unique_id, format_prompt(tokenizer, p.problem)))
+                                prompts.setdefault(p.unique_id, format_prompt(tokenizer, p.problem, prompt_style)))
                         for p, s in todo[start:start + batch]]
             t0 = time.perf_counter()
             done = {(c.request.problem_id, c.request.sample): c for c in engine.complete(requests, sampling, eos_ids)}
@@ -110,7 +110,7 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
             if missing:
                 raise RetentionError(f"engine {engine.name} returned no completion for {missing[0]}")
             for c in (done[(r.problem_id, r.sample)] for r in requests):  # run order, whatever the engine's
-                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                text = output_text(tokenizer, c.request.prompt_ids, c.token_ids)
                 record, (steps, tokens) = build_record(c, config_hash=arm.run.hash, text=text,
                                                        gold=gold[c.request.problem_id], cadence=arm.cadence,
                                                        kib_per_token=kib_per_token, batch_size=batch,

@@ -26,7 +26,7 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
     from retention.engines import engine_factory
     from retention.engines.base import refuse_evicting, run_engine_arms
     from retention.merge import open_shard_run
-    from retention.models import CacheGeometry
+    from retention.models import CacheGeometry, prompt_style
     from retention.runner import Arm
 
     refuse_evicting(arm_specs, engine_name)
@@ -36,14 +36,16 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
     tokenizer = AutoTokenizer.from_pretrained(weights)
     geometry = CacheGeometry.from_config(AutoConfig.from_pretrained(weights), dtype)
     engine = (factory or engine_factory(engine_name))(weights, dtype, device)
+    style = prompt_style(model, tokenizer)  # the prompt this project's engine gives the same model
     arms = []
     for name, config, params, cadence in arm_specs:
         config = dict(config, model_id=model_id, model_revision=revision, engine=engine.name,
-                      engine_version=engine.version, **(extra_config or {}))
+                      engine_version=engine.version, **({} if style == "chat" else {"prompt": style}),
+                      **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
     eos = {i for i in [tokenizer.eos_token_id, *(_generation_eos(weights))] if isinstance(i, int)}
     run_engine_arms(engine, tokenizer, geometry.kib_per_token, arms, problems, samples=samples, base_seed=seed,
-                    sampling=sampling, eos_ids=eos, grade=grade, shard=shard, progress=progress)
+                    sampling=sampling, eos_ids=eos, grade=grade, shard=shard, progress=progress, prompt_style=style)
     return [a.run.path for a in arms]
 
 

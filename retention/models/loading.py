@@ -14,7 +14,8 @@ import torch
 from retention.dtypes import dtype_name, resolve_dtype
 from retention.errors import RetentionError
 from retention.layouts import CacheLayout, layout_from_config
-from retention.models.aliases import TINY_RANDOM_SEED, resolve_model
+from retention.models.aliases import SPLIT_GGUFS, TINY_RANDOM_SEED, ModelRef, resolve_model
+from retention.models.prompts import prompt_style
 from retention.models.tiny import build_tiny_random, build_tiny_tokenizer
 from retention.models.weights_cache import _smollm2_cache, sha256_files, smollm2_gguf_path
 
@@ -49,7 +50,8 @@ class LoadedModel:
 
     `model` is in eval mode with `attn_implementation="sdpa"`; `name` is the alias or path as
     given; `model_id` the hub id, GGUF file or resolved folder; `revision` the hub commit when
-    known, else the sha256 of the weights file(s), or `random-seed-<n>` for `tiny-random`.
+    known, else the sha256 of the weights file(s) (of the GGUF file for a GGUF model), or
+    `random-seed-<n>` for `tiny-random`; `prompt` its prompt style (`retention.models.prompts`).
     """
 
     model: Any
@@ -61,6 +63,7 @@ class LoadedModel:
     device: str
     geometry: CacheLayout
     load_seconds: float = field(default=0.0, compare=False)
+    prompt: str = "chat"
 
     def metadata(self) -> dict[str, Any]:
         """JSON-ready provenance for run records (no tensors)."""
@@ -71,6 +74,7 @@ class LoadedModel:
             "dtype": self.dtype,
             "device": self.device,
             "geometry": self.geometry.as_dict(),
+            "prompt": self.prompt,
         }
 
     @property
@@ -87,7 +91,8 @@ def load_model(
     *,
     seed: int = TINY_RANDOM_SEED,
 ) -> LoadedModel:
-    """Load `name` (an alias of `ALIASES`, an aliased hub id, or a local folder with config.json).
+    """Load `name` (an alias of `ALIASES`, an aliased hub id, a local folder with config.json, or a
+    local `.gguf` file, converted once into the cache).
 
     `dtype` is `float32 | bfloat16 | float16`; `device` is `cpu | cuda | cuda:N | mps` and must be
     available. `revision` (a hub branch, tag or commit) applies to hub models only. `seed` selects
@@ -119,6 +124,10 @@ def load_model(
         folder, sha = _smollm2_cache(gguf)
         model, tokenizer = _load_pretrained(str(folder), torch_dtype, device, local_files_only=True)
         model_id, resolved_revision = str(gguf), sha
+    elif ref.kind in ("parts", "gguf-file"):
+        folder, sha = _gguf_cache(ref)
+        model, tokenizer = _load_pretrained(str(folder), torch_dtype, device, local_files_only=True)
+        model_id, resolved_revision = _gguf_model_id(ref), sha
     elif ref.kind == "hub":
         model, tokenizer = _load_from_hub(ref.source, torch_dtype, device, revision)
         model_id, resolved_revision = ref.source, _hub_commit(ref.source, revision)
@@ -137,7 +146,25 @@ def load_model(
         device=device,
         geometry=_layout_of(model, torch_dtype),
         load_seconds=time.perf_counter() - start,
+        prompt=prompt_style(ref.name, tokenizer),
     )
+
+
+def _gguf_cache(ref: ModelRef) -> tuple[Path, str]:
+    """The converted cache folder of a split or local GGUF model and the GGUF's sha256."""
+    from retention.models.gguf import gguf_file_cache, split_gguf_cache
+
+    if ref.kind == "parts":
+        return split_gguf_cache(SPLIT_GGUFS[ref.source])
+    return gguf_file_cache(Path(ref.source))
+
+
+def _gguf_model_id(ref: ModelRef) -> str:
+    """Where a GGUF model came from: its packages (split) or its file path."""
+    if ref.kind == "parts":
+        spec = SPLIT_GGUFS[ref.source]
+        return f"{spec.package_prefix}1..{spec.parts}=={spec.version}"
+    return ref.source
 
 
 def _layout_of(model, torch_dtype: torch.dtype) -> CacheLayout:
@@ -241,6 +268,9 @@ def weights_reference(name: str) -> tuple[str, str, str]:
         gguf = smollm2_gguf_path()
         folder, sha = _smollm2_cache(gguf)  # the dequantised safetensors folder
         return str(folder), str(gguf), sha
+    if ref.kind in ("parts", "gguf-file"):
+        folder, sha = _gguf_cache(ref)
+        return str(folder), _gguf_model_id(ref), sha
     if ref.kind == "hub":
         return ref.source, ref.source, _hub_commit(ref.source, None)
     return ref.source, ref.source, _folder_revision(Path(ref.source))
@@ -248,7 +278,7 @@ def weights_reference(name: str) -> tuple[str, str, str]:
 
 def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayout:
     """The cache layout of model `name` without loading its weights: from the folder's config.json,
-    the documented layout of an aliased model, or the config of `tiny-random`."""
+    the documented layout of an aliased model, a GGUF header, or the config of `tiny-random`."""
     import json
 
     from retention.layouts import DOCUMENTED
@@ -262,6 +292,12 @@ def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayou
         return layout_from_config(config, dtype)
     if ref.kind == "random":
         return layout_from_config(build_tiny_random()[0].config, dtype)
+    if ref.kind == "parts":
+        return layout_from_config(dict(SPLIT_GGUFS[ref.source].geometry), dtype)
+    if ref.kind == "gguf-file":
+        from retention.models.gguf import gguf_config
+
+        return layout_from_config(gguf_config(Path(ref.source)), dtype)
     if ref.kind == "arch":
         from retention.arch.configs import TINY
 
