@@ -1,6 +1,6 @@
 """Which runs a report compares, and the paired test of each comparison (protocol section 6).
 
-* cell = (model, budget, split) of a run's configuration (`Run.cell`);
+* cell = (model, budget, split, dataset) of a run's configuration (`Run.cell`);
 * arm = scorer plus declared parameters (`Run.arm_signature`; statistics are identified by content
   and not part of the arm, so each model's own statistics make one arm across models);
 * baseline = the run named by `baseline` (run id, directory, label or scorer name), else the run
@@ -154,6 +154,9 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
                 row[prefix + key] = s[key]
         row["plan_hash"] = t.plan_hash or b.plan_hash
         row["confirmation"], deviates = _confirmation(t, b, test["cell"], prov)
+        seen = _seen_in_exploration(t, b)
+        if seen and row["confirmation"] != "dev":  # a confirm set that was looked at before
+            row["confirmation"] += f"; confirm set seen during exploration ({seen} of {res.n} problems)"
         if row["confirmation"].startswith("UNCONFIRMED"):
             row["verdict"] = f"UNCONFIRMED ({row['verdict']})"  # not the pre-registered evidence
         elif deviates:
@@ -169,6 +172,17 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
         for i, ph in zip(idx, stats.holm([rows[i]["p_bootstrap"] for i in idx], m)):
             rows[i]["p_holm"] = float(ph)
     return rows, subsets
+
+
+def _seen_in_exploration(t: Run, b: Run) -> int:
+    """How many problems of a confirmation's set an exploration run (`retention run --dataset`) saw
+    first. MATH-500's confirm split is never reachable by `run`; an AIME set is its own confirm set,
+    so exploring it and confirming on it later is possible, and flagged."""
+    if not (is_confirm_run(t) or is_confirm_run(b)) or t.dataset == "math500":
+        return 0
+    from protocol.exploration import explored_ids
+
+    return len(explored_ids(t.dataset) & {r["problem_id"] for r in t.records})
 
 
 def _confirmation(t: Run, b: Run, cell: dict | None, prov: dict) -> tuple[str, bool]:

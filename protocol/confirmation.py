@@ -32,12 +32,12 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _current_manifest_hash() -> str:
+def _current_manifest_hash(dataset: str = "math500") -> str:
     try:
         from protocol.splits import manifest_sha256
     except ImportError as exc:
         raise ProtocolError(f"cannot read the split manifest ({exc}); pass its hash explicitly") from None
-    return manifest_sha256(splits_dir=None)
+    return manifest_sha256(splits_dir=None, dataset=dataset)
 
 
 def _is_number(x) -> bool:
@@ -122,7 +122,7 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner, *, manifest_hash: st
         raise ProtocolError("no generation runner is installed for confirm")
     plan_path = Path(plan_path)
     plan, h = load_plan(plan_path)
-    current_manifest = manifest_hash or _current_manifest_hash()
+    current_manifest = manifest_hash or _current_manifest_hash(plan.get("dataset", "math500"))
     if current_manifest != plan["split_manifest_sha256"]:
         raise ProtocolError(f"split manifest {current_manifest[:12]} differs from the registered "
                             f"{plan['split_manifest_sha256'][:12]}: refusing to confirm")

@@ -73,11 +73,12 @@ def _check_arm(name: str, cfg) -> dict:
 
 def _confirm_problems(dataset: str) -> int | None:
     """Problems in the confirm split of the dataset (None when this module does not know it)."""
-    if dataset != DEFAULT_DATASET:
-        return None
+    from protocol.data import AIME_PROBLEMS, DATASETS
     from protocol.splits import COUNTS
 
-    return COUNTS["confirm"]
+    if dataset == DEFAULT_DATASET:
+        return COUNTS["confirm"]
+    return AIME_PROBLEMS if dataset in DATASETS else None  # an AIME set is confirmed whole
 
 
 def _check_pairs(treatment: dict, baseline: dict, n_confirm: int | None) -> None:

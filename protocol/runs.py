@@ -83,9 +83,13 @@ class Run:
         return self.config.get("split")
 
     @property
+    def dataset(self) -> str:
+        return str(self.config.get("dataset") or "math500")
+
+    @property
     def cell(self) -> tuple:
-        """(model, budget, split): runs are compared only within one cell."""
-        return (self.model, self.budget, self.split)
+        """(model, budget, split, dataset): runs are compared only within one cell."""
+        return (self.model, self.budget, self.split, self.dataset)
 
     @property
     def identity(self) -> tuple:

@@ -34,7 +34,7 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, ce
     from retention.jobs import confirm_runner
 
     plan, h = prereg.load_plan(Path(plan_path))
-    current = manifest_hash or prereg._current_manifest_hash()
+    current = manifest_hash or prereg._current_manifest_hash(plan.get("dataset", "math500"))
     if current != plan["split_manifest_sha256"]:
         raise RetentionError(f"split manifest {current[:12]} differs from the registered "
                              f"{plan['split_manifest_sha256'][:12]}: refusing to generate")

@@ -262,7 +262,8 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
 
     if manifest_hash is not None and not re.fullmatch(r"[0-9a-f]{64}", manifest_hash):
         raise click.ClickException(f"--manifest-hash must be 64 lowercase hex digits, got {manifest_hash!r}")
-    manifest = manifest_sha256(splits_dir)  # verifies the splits against the data
+    # verifies the splits against the data; each dataset has its own manifest
+    manifest = manifest_sha256(splits_dir, dataset=dataset or "math500")
     if manifest_hash is not None and manifest_hash != manifest:
         raise click.ClickException(f"--manifest-hash {manifest_hash[:12]} is not the verified split manifest "
                                    f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
@@ -357,7 +358,8 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
     entries = prereg.confirm(
-        plan_path, out, runner, manifest_hash=manifest_hash or manifest_sha256(splits_dir),
+        plan_path, out, runner,
+        manifest_hash=manifest_hash or manifest_sha256(splits_dir, dataset=plan.get("dataset", "math500")),
         validate=validate_confirm_arm, runner_spec=spec,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
