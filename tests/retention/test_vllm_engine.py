@@ -184,7 +184,7 @@ def test_vllm_adapter_passes_prompts_seeds_and_sampling(tiny_folder, tmp_path, m
 def _fake_run(path, config, tokens):
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"run_id": path.name, "config_hash": "x", "config": config}))
-    recs = [{"problem_id": f"p{i}", "sample": 0, "output_token_ids": t, "text": "", "gold": None}
+    recs = [{"problem_id": f"p{i}", "sample": 0, "config_hash": "x", "output_token_ids": t, "text": "", "gold": None}
             for i, t in enumerate(tokens)]
     (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
