@@ -310,8 +310,9 @@ def test_the_study_at_its_real_shape(tmp_path, monkeypatch):
     pasted = tmp_path / "pasted"
     shutil.copytree(conf / "runs", pasted)
     a, b = sorted(pasted.rglob("records.jsonl"))[:2]
+    foreign = dict(json.loads(b.read_text().splitlines()[0]), sample=K)  # a new (problem, sample) of another run
     with open(a, "a") as fh:
-        fh.write(b.read_text().splitlines()[0] + "\n")
+        fh.write(json.dumps(foreign) + "\n")
     res = cli("report", pasted, "--out", tmp_path / "r4", ok=False)
     assert res.exit_code == 1 and "another configuration" in res.output.strip().splitlines()[-1]
 
