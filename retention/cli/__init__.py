@@ -28,6 +28,7 @@ _MODULES = (
     "run_cmd",
     "calibrate_cmd",
     "data_cmds",
+    "stats_cmd",
     "protocol_cmds",
     "bench_cmd",
     "conformance_cmd",

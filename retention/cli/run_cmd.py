@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
 import click
 
-from protocol.errors import ProtocolError
 from protocol.io import check_writable_dir
 from retention.arms import ENGINES, validate_arm
 from retention.cli.options import splits_dir_option
