@@ -95,3 +95,15 @@ def test_pending_pairs_are_lazy(tmp_path):
     first = list(itertools.islice(shard_pairs(len(problems), huge, None), 3))
     assert first == [(0, 0), (0, 1), (0, 2)]
     assert count_pending([arm], problems, huge) == (3 * huge, 3 * huge - 1)
+
+
+def test_another_configuration_shows_where_the_hashes_differ(tmp_path):
+    """Two hashes equal in their first 10 characters: the message shows them long enough to differ."""
+    run = _fill(tmp_path)
+    ours = run.hash
+    theirs = ours[:12] + ("0" if ours[12] != "0" else "1") + ours[13:]
+    with open(run.path / "records.jsonl", "a") as f:
+        f.write(json.dumps({"config_hash": theirs, "problem_id": "p7", "sample": 0}) + "\n")
+    with pytest.raises(RetentionError) as err:
+        RunDir(run.path, CONFIG)
+    assert f"config_hash {theirs[:16]}, this run is {ours[:16]}" in str(err.value)
