@@ -144,11 +144,32 @@ def accounting_effects(rows: list[dict]) -> list[dict]:
     return out
 
 
+EXACT_SPEARMAN_MAX_N = 8  # 8! = 40,320 orderings: enumerated at once
+
+
+def spearman(x, y) -> tuple[float, float]:
+    """Spearman's rho and its two-sided p. Up to `EXACT_SPEARMAN_MAX_N` points p is exact (every
+    ordering of y's ranks enumerated): the t approximation scipy uses is meaningless that small
+    (three points in the same order give p = 0 instead of 1/3)."""
+    import itertools
+
+    from scipy.stats import rankdata, spearmanr
+
+    rho, p = spearmanr(x, y)
+    n = len(x)
+    if n <= EXACT_SPEARMAN_MAX_N:
+        rx, ry = rankdata(x), rankdata(y)
+        perms = np.array(list(itertools.permutations(ry)))  # [n!, n]
+        cx = rx - rx.mean()
+        cp = perms - perms.mean(axis=1, keepdims=True)
+        r = (cp @ cx) / (np.sqrt((cp ** 2).sum(axis=1)) * np.sqrt((cx ** 2).sum()))
+        p = float(np.mean(np.abs(r) >= abs(rho) - 1e-12))
+    return float(rho), float(p)
+
+
 def proxy_agreement(arms: list[dict]) -> tuple[list[dict], list[dict]]:
     """Proxy-drift diagnostic: mean KL / top-1 agreement per arm beside accuracy, and the Spearman
     correlation of each proxy with accuracy across configurations (needs >= 3 arms with fidelity)."""
-    from scipy.stats import spearmanr
-
     rows = [{"label": a["label"], "model": a["model"], "budget": a["budget"],
              "accounting": a["accounting"], "accuracy": a["accuracy"], "kl_mean": a["kl_mean"],
              "top1_agreement": a["top1_agreement"], "fidelity_records": a["fidelity_records"]}
@@ -159,9 +180,9 @@ def proxy_agreement(arms: list[dict]) -> tuple[list[dict], list[dict]]:
         if len(pts) >= 3:
             x, y = np.array(pts).T
             if np.ptp(x) > 0 and np.ptp(y) > 0:
-                rho, p = spearmanr(x, y)
-                corr.append({"proxy": proxy, "n_configs": len(pts), "spearman_rho": float(rho),
-                             "p": float(p)})
+                rho, p = spearman(x, y)
+                corr.append({"proxy": proxy, "n_configs": len(pts), "spearman_rho": rho, "p": p,
+                             "p_method": "exact" if len(pts) <= EXACT_SPEARMAN_MAX_N else "t approximation"})
             else:
                 corr.append({"proxy": proxy, "n_configs": len(pts), "spearman_rho": float("nan"),
                              "p": float("nan")})

@@ -70,7 +70,7 @@ def terminal_summary(rep) -> str:
     for c in rep.proxy_corr:
         if np.isfinite(c["spearman_rho"]):
             out.append(f"proxy {c['proxy']}: Spearman rho = {c['spearman_rho']:+.2f} with accuracy "
-                       f"over {c['n_configs']} configurations (p = {_fmt_p(c['p'])})")
+                       f"over {c['n_configs']} configurations (p = {_fmt_p(c['p'])}, {c.get('p_method', 'exact')})")
         else:
             out.append(f"proxy {c['proxy']}: correlation with accuracy undefined over {c['n_configs']} "
                        "configurations (accuracy or proxy constant)")
