@@ -61,8 +61,12 @@ def read_jsonl(path: Path) -> list[dict]:
 # Runners (imported by `confirm --runner`)
 
 
-def _oracle_verdict(cell_id: str, arm: str, problem_id: str, sample: int, budget: int) -> bool:
-    u = int(hashlib.sha256(f"{cell_id}|{arm}|{problem_id}|{sample}".encode()).hexdigest()[:12], 16) / 16**12
+def _oracle_verdict(cell: dict, arm: str, problem_id: str, sample: int) -> bool:
+    """Seeded by the model's name (not its folder's temporary path) and budget: the same grades in
+    every run of the test."""
+    budget = cell["budget"]
+    key = f"{Path(cell['model']).name}|{budget}|{arm}|{problem_id}|{sample}"
+    u = int(hashlib.sha256(key.encode()).hexdigest()[:12], 16) / 16**12
     return u < RATES[budget][arm]
 
 
@@ -85,7 +89,7 @@ def oracle_runner(cell, arm, arm_config, out_dir, **kw):
     run_dir = Path(confirm_runner(cell, arm, arm_config, out_dir, **kw))
     if kw.get("shard") is not None:
         return run_dir
-    _regrade(run_dir, lambda r: _oracle_verdict(cell["id"], arm, r["problem_id"], r["sample"], cell["budget"]))
+    _regrade(run_dir, lambda r: _oracle_verdict(cell, arm, r["problem_id"], r["sample"]))
     return run_dir
 
 
@@ -93,7 +97,7 @@ def flipping_runner(cell, arm, arm_config, out_dir, **kw):
     """A runner nobody registered: the oracle with the arms' grades swapped."""
     run_dir = Path(oracle_runner(cell, arm, arm_config, out_dir, **kw))
     other = "baseline" if arm == "treatment" else "treatment"
-    _regrade(run_dir, lambda r: _oracle_verdict(cell["id"], other, r["problem_id"], r["sample"], cell["budget"]))
+    _regrade(run_dir, lambda r: _oracle_verdict(cell, other, r["problem_id"], r["sample"]))
     return run_dir
 
 
