@@ -5,9 +5,9 @@
 # `timings.tsv` says how long each arm's command ran.
 #   1. full (the reference; its truncation rate sets the token limit's adequacy)
 #   2-4. alpha (lambda 0.5), triattention, streaming at a mean cache of 128 tokens, fidelity on
+#   5. alpha at 64, fidelity on
 #   6-8. the same three with --protect-prompt (the reference implementations' convention: the
 #        problem statement is never evicted, at the cost of memory the meter shows)
-#   5. alpha at 64, fidelity on
 # Needs `make install-real-models` (the 0.5B parts). Report: `retention report OUT/runs`.
 set -euo pipefail
 RETENTION=${RETENTION:-.venv/bin/retention}
