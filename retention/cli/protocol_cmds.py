@@ -234,23 +234,20 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     plan, h = prereg.load_plan(plan_path)
     override_map = _key_values(overrides, "--override") or None
     out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
+    runner, spec = resolve_runner(runner_spec, plan)
+    if runner is getattr(jobs, "confirm_runner", None):
+        runner = functools.partial(runner, splits_dir=splits_dir)
     if shard_text is not None:
         from retention.confirm_shard import generate_confirm_shard
         from retention.shard import parse_shard
 
-        runner, spec = resolve_runner(runner_spec, plan)
         if spec is not None and spec != plan.get("runner", prereg.DEFAULT_RUNNER_SPEC):
             raise click.ClickException(f"--runner {spec} is not the plan's registered runner: --shard generates "
                                        "only with the registered one (a shard writes no ledger entry to record it)")
-        if runner is getattr(jobs, "confirm_runner", None):
-            runner = functools.partial(runner, splits_dir=splits_dir)
         generate_confirm_shard(plan_path, out, parse_shard(shard_text), runner=runner, cells=list(cells) or None,
                                overrides=override_map, reason=reason, manifest_hash=manifest_hash,
                                validate=validate_confirm_arm, log=click.echo)
         return
-    runner, spec = resolve_runner(runner_spec, plan)
-    if runner is getattr(jobs, "confirm_runner", None):
-        runner = functools.partial(runner, splits_dir=splits_dir)
     entries = prereg.confirm(
         plan_path, out, runner,
         manifest_hash=manifest_hash or manifest_sha256(splits_dir, dataset=plan.get("dataset", "math500")),
