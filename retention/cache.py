@@ -84,6 +84,13 @@ class CacheView:
     valid: `L` tensors `[B, G, n]` bool, False on padding (default: every entry valid).
     prompt_length: `[B]` int64 (default 0).
     slots: `[B]` int64, the engine slot of each row (default 0..B-1).
+    stores: per eviction group `g`, store name -> `[B, h, n, d]` (every store the group's layers
+        read, gathered with the group's kept set). Default: `{"k": keys[g], "v": values[g]}` (the
+        per-layer K/V layout, where group `g` is layer `g`).
+    groups: the layers of each eviction group (default `(g,)`: one group per layer).
+    layout: the `retention.layouts.CacheLayout` of the cache (None: per-layer K/V).
+    `keys` / `values` hold per-head, per-layer tensors only on the per-layer K/V layout; on a
+    latent or shared-store layout they are empty lists and a scorer reads `stores`.
     """
 
     keys: list[torch.Tensor]
@@ -95,9 +102,16 @@ class CacheView:
     prompt_length: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     extra: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    stores: list[dict[str, torch.Tensor]] | None = None
+    groups: list[tuple[int, ...]] | None = None
+    layout: object | None = None
 
     def __post_init__(self):
-        B, dev = self.keys[0].shape[0], self.keys[0].device
+        B, dev = self.positions[0].shape[0], self.positions[0].device
+        if self.stores is None:
+            self.stores = [{"k": k, "v": v} for k, v in zip(self.keys, self.values, strict=True)]
+        if self.groups is None:
+            self.groups = [(g,) for g in range(len(self.positions))]
         if not isinstance(self.next_position, torch.Tensor):
             self.next_position = torch.full((B,), int(self.next_position), dtype=torch.long, device=dev)
         if self.valid is None:
@@ -109,7 +123,8 @@ class CacheView:
 
     @property
     def num_layers(self) -> int:
-        return len(self.keys)
+        """Eviction groups of the view (layers on the per-layer K/V layout)."""
+        return len(self.positions)
 
     @property
     def uniform_next_position(self) -> int | None:

@@ -8,7 +8,9 @@
 #   5. alpha at 64, fidelity on
 #   6-8. the same three with --protect-prompt (the reference implementations' convention: the
 #        problem statement is never evicted, at the cost of memory the meter shows)
+# TEMPERATURE=0.6 samples (top-p TOP_P, default 0.95; seeded per problem) instead of greedy decoding.
 # Needs `make install-real-models` (the 0.5B parts). Report: `retention report OUT/runs`.
+# ARMS="a b" runs only the named arms (their timings are the only lines appended).
 set -euo pipefail
 RETENTION=${RETENTION:-.venv/bin/retention}
 OUT=${OUT:-results/real-signal-qwen0.5b}
@@ -19,10 +21,11 @@ BATCH=${BATCH:-16}
 mkdir -p "$OUT"
 stats="$OUT/stats-$MODEL.safetensors"
 [ -f "$stats" ] || "$RETENTION" calibrate --model "$MODEL" --dtype bfloat16 --out "$stats"
-common=(--model "$MODEL" --dtype bfloat16 --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature 0
+common=(--model "$MODEL" --dtype bfloat16 --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-0.95}"
         --batch-size "$BATCH" --out "$OUT/runs" --quiet)
 arm() {  # name, then the run options of the arm
   local name=$1; shift
+  if [ -n "${ARMS:-}" ] && [[ " $ARMS " != *" $name "* ]]; then return; fi
   local start=$(date +%s)
   "$RETENTION" run "${common[@]}" "$@" | tee -a "$OUT/run.log"
   printf '%s\t%s\n' "$name" "$(( $(date +%s) - start ))" >> "$OUT/timings.tsv"

@@ -15,6 +15,17 @@ from retention.errors import RetentionError
 from retention.cache import CacheView
 from retention.scorers.base import Scorer, WindowScorer, topk_keep
 
+# What a scorer may read (`Scorer.reads`) and a cache layout plus its model may provide:
+READS = {
+    "positions": "absolute positions of the stored tokens (every cache)",
+    "keys": "post-RoPE per-head keys of each layer",
+    "values": "per-head values of each layer",
+    "queries": "the per-head post-RoPE queries the model computes at each step",
+    "attention": "the attention mass each stored token receives at each step",
+    "latent": "an MLA latent, its RoPE key and the model's up-projections",
+    "calibration": "per-head query statistics from `retention calibrate`",
+}
+
 _REGISTRY: dict[str, type[Scorer]] = {}
 _MODULES = ("full", "random", "streaming", "triattention", "alpha", "snapkv", "rkv", "h2o")
 _loaded = False
@@ -98,5 +109,5 @@ def make_scorer(name: str, **params) -> Scorer:
         raise RetentionError(f"scorer plugin {name!r} failed to construct: {type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer",
+__all__ = ["READS", "CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer",
            "scorer_identity", "is_builtin", "topk_keep"]

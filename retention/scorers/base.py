@@ -27,7 +27,9 @@ Optional hooks, for scorers that need more than the cache:
     observe(cache, next_position)  after every forward, before any compaction (must not read
                     device values on the host: it runs every token)
     compacted(keep, view)  after every compaction, with the kept indices of the rows of `view`
-Class attributes: `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
+Class attributes: `reads` (what the scorer reads, alternatives: `retention.scorers.READS` names the
+kinds; a run refuses a cache layout and model that do not provide one of them, saying what is
+missing), `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
 `per_layer`, `default_sink` / `default_recent` (protected tokens unless --sink / --recent say),
 `evicts` (False: never compacts), and `min_recent()` for a window the cadence must count inside b.
 
@@ -74,6 +76,8 @@ class Scorer:
     """Base class: subclasses implement `score` (and optionally `select`, `attach`, `observe`)."""
 
     name: ClassVar[str] = "base"
+    # What the scorer reads: alternatives, each a set of `READS` kinds (any one satisfied suffices).
+    reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"positions"}),)
     per_layer: ClassVar[bool] = False
     # Protected tokens a scorer wants by default (the CLI's --sink / --recent override them).
     default_sink: ClassVar[int] = 0
