@@ -22,6 +22,9 @@ head_dim), rope theta and scaling, the model dtype, the number of tokens, the sh
 ids (little-endian int64 bytes), the text source and the library version. `load_stats` refuses a
 file whose geometry or RoPE does not match the model it is loaded for.
 
+MLA models have their own statistics (`retention.calibration_latent`: same file family, metadata
+`"kind": "latent"`); each loader refuses the other's files with one line.
+
 Default location: `<cache root>/stats/<model-name>.safetensors`, with the cache root
 `$RETENTION_CACHE_DIR` or the platform's user cache directory (the same root as the model cache).
 """
@@ -152,6 +155,10 @@ class QueryStats:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {})[META_KEY])
+                if meta.get("kind") == "latent":  # `retention.calibration_latent`'s files, same family
+                    raise RetentionError(
+                        f"{path} holds latent (MLA) statistics (of {meta.get('model_id')!r}), not the per-head "
+                        "statistics this model needs; calibrate this model with `retention calibrate --model ...`")
                 t = {k: f.get_tensor(k) for k in ("qm_real", "qm_imag", "qa", "inv_freq")}
         except (KeyError, ValueError, OSError, json.JSONDecodeError) as exc:
             raise RetentionError(f"{path} is not a retention statistics file ({type(exc).__name__}: {exc})") from None

@@ -1,4 +1,5 @@
-"""`retention calibrate`: pre-RoPE query statistics for `triattention` and `alpha`."""
+"""`retention calibrate`: pre-RoPE query statistics for `triattention` and `alpha` (per-head, or of an
+MLA model's latent scores)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ def dev_split_text(splits_dir=None) -> str:
     problems = load_split("dev", splits_dir=splits_dir)
     return "\n\n".join(f"{p.problem.strip()}\n\n{p.solution.strip()}" for p in problems)
 
+
+# Layout families without a TriAttention/alpha derivation, and why (docs/layouts.md). MLA and QK-norm
+# MLA are calibrated with latent statistics (`retention.calibration_latent`).
+NOT_DERIVED = {
+    "kv": "per-head statistics of the reference modules (interleaved RoPE pairs) are not implemented; tiny-random "
+          "is the per-head model",
+    "cla": "a K/V store shared by several layers has no single layer's query statistics to score it with",
+    "path-concat": "a path's shared store is read by several layers with different queries",
+    "path-residual": "a layer's key is rebuilt from the path's stores, no single stored key to score",
+    "path-mla": "derived in docs/layouts.md, not implemented: the path's latent is read by several layers",
+}
 
 # Query statistics are per-band means over the calibration queries: one or a few tokens give the
 # statistics of those tokens, not of the model. 32 is the calibration size of the golden vectors.
@@ -43,20 +55,29 @@ MIN_TOKENS = 32
 @splits_dir_option
 def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     """Compute pre-RoPE query statistics (complex mean and mean modulus per layer, query head and
-    RoPE band) for the query-free scorers `triattention` and `alpha`.
+    RoPE band) for the query-free scorers `triattention` and `alpha`. On an MLA model (tiny-mla,
+    tiny-qk-norm-mla, a DeepSeek-V2/V3 folder): those of the rope query, and the mean content query
+    and its mean modulus per dim (docs/layouts.md).
 
     The text is tokenised once and run in independent chunks of 2048 tokens; the file records the
     model id, head geometry, RoPE parameters, dtype, token count and the sha256 of the tokens.
     """
     from retention.calibration import calibrate, default_stats_path
+    from retention.calibration_latent import calibrate_latent, latent_model
     from retention.models import load_model, resolve_model
 
     from protocol.io import check_writable, ensure_dir, read_text
     from retention.models import resolve_device
 
-    if resolve_model(model).kind == "arch":  # a bad --model or --device fails before the text is read
-        raise RetentionError(f"{model} is a reference layout model: triattention and alpha, the scorers these "
-                             "statistics serve, are not defined on its cache, so there is nothing to calibrate")
+    ref = resolve_model(model)  # a bad --model or --device fails before the text is read
+    if ref.kind == "arch":
+        from retention.arch.configs import TINY
+
+        family = TINY[ref.source].family
+        if family in NOT_DERIVED:
+            raise RetentionError(f"{model} is a reference layout model ({family}) on whose cache triattention and alpha, "
+                                 f"the scorers these statistics serve, are not defined: {NOT_DERIVED[family]}; "
+                                 "nothing to calibrate")
     resolve_device(device)
     target = Path(out) if out else default_stats_path(model)
     if text_path is not None and target.exists() and target.resolve() == Path(text_path).resolve():
@@ -72,12 +93,15 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     ids = loaded.tokenizer(text)["input_ids"][:tokens]
     if len(ids) < MIN_TOKENS:
         raise RetentionError(f"the calibration text has {len(ids)} tokens; statistics need at least {MIN_TOKENS}")
-    stats = calibrate(loaded.model, ids, model_id=loaded.model_id, text_source=source)
+    if latent_model(loaded.model) is not None:  # an MLA model: statistics of its content and rope queries
+        stats, what = calibrate_latent(loaded.model, ids, model_id=loaded.model_id, text_source=source), " (MLA latent)"
+    else:
+        stats, what = calibrate(loaded.model, ids, model_id=loaded.model_id, text_source=source), ""
     target = target if out else default_stats_path(loaded.name)
     ensure_dir(target.parent, "statistics folder")
     path = stats.save(target)
     click.echo(f"{path}: {len(ids)} tokens, {stats.meta['geometry']['layers']} layers x "
-               f"{stats.meta['geometry']['q_heads']} query heads, sha256 {stats.meta['tokens_sha256'][:12]}")
+               f"{stats.meta['geometry']['q_heads']} query heads{what}, sha256 {stats.meta['tokens_sha256'][:12]}")
 
 
 commands = [calibrate_command]

@@ -20,11 +20,20 @@ first token to enter is never penalised). `pen` is kept up to date incrementally
 one row of the cosine matrix (`[..., n]`) and takes an elementwise max. Ties go to the lowest index
 (`argmax` returns the first maximum), the same rule as `topk_keep`'s stable sort, so at `lam = 0`
 the kept indices, sorted ascending, are bit-for-bit those of the top-k baseline.
+
+On an MLA latent cache (`retention.scorers.latent`) the scores are the latent TriAttention's and a
+token's signature is the same mean over layers and heads, formed from its latents through each
+layer's head-mean value up-projection (`latent_value_signatures`, exact). It is formed from the
+view at each compaction: with the shared routing every layer holds every kept token, and a latent
+is stored exactly, so this equals the signature when the token was written. The per-layer routing
+is refused there (a layer's kept token may be gone from other layers, whose latents its signature
+needs), with one line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +97,10 @@ class Alpha(TriAttention):
     default 0.5), `radius` (cosine below which no penalty applies, default 0), plus `stats` and
     `routing` as for `triattention`. Protects nothing by default."""
 
+    # Per-head keys and values, or an MLA latent (with the model's up-projections), and the statistics.
+    reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"keys", "values", "calibration"}),
+                                                  frozenset({"latent", "calibration"}))
+
     lam: float = 0.5
     radius: float = 0.0
 
@@ -103,10 +116,19 @@ class Alpha(TriAttention):
         if not -1.0 <= self.radius <= 1.0:  # a cosine: outside [-1, 1] it silently means "never" or "always"
             raise RetentionError(f"--radius is a cosine and must be in [-1, 1], got {self.radius}")
 
+    def check_latent(self) -> None:
+        if self.per_layer:
+            raise RetentionError("alpha --routing per-layer is not defined on an MLA latent cache: a token's V-signature "
+                                 "is the mean over every layer's latent, and per-layer routing drops it from some layers "
+                                 "only; use --routing shared")
+
     def observe(self, cache, next_position) -> None:
         """Write the signature of every token the last forward wrote (all layers and KV heads hold
-        it now) into the per-token buffer, at that token's slot in every KV head."""
+        it now) into the per-token buffer, at that token's slot in every KV head. A latent cache
+        needs none (its signatures come from the view's latents, `signatures`)."""
         super().observe(cache, next_position)
+        if self._latent is not None:
+            return
         idx = cache.written_slots()  # [S, q]
         S, q = idx.shape
         G, d = cache.layers[0].vbuf.shape[1], cache.layers[0].vbuf.shape[-1]
@@ -117,7 +139,10 @@ class Alpha(TriAttention):
             cache.add_extra(layer, self.EXTRA, (d,)).scatter_(2, gidx, u)
 
     def signatures(self, view: CacheView) -> torch.Tensor:
-        """The view's signatures: `[B, G, n, d]` (shared) or `[L, B, G, n, d]` (per layer)."""
+        """The view's signatures: `[B, G, n, d]` (shared) or `[L, B, G, n, d]` (per layer); on a
+        latent view `[B, 1, n, d_v]` from its latents."""
+        if not view.keys and self._latent is not None:
+            return self._latent.signatures(view)
         if not view.extra or self.EXTRA not in view.extra[0]:
             raise RuntimeError("alpha: no V-signatures in the cache (observe() not called after a forward?)")
         if self.per_layer:

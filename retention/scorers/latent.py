@@ -24,7 +24,8 @@ alpha's V-signature of a token is the mean of its values over layers and heads, 
 the mean over heads passes through the linear map: `mean_h W_UV_h c_j = (mean_h W_UV_h) c_j`, so the
 signature is exact from the latent at `r x d_v` multiply-adds per token and layer.
 
-Neither function is wired into a runtime yet (issue 20: the one runtime does that).
+`LatentScoring` applies both to the latent stores of a `CacheView`; `triattention` and `alpha`
+dispatch to it when the view holds a latent (statistics: `retention.calibration_latent`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from retention.scorers.triattention import OFFSETS, future_phase
+from retention.scorers.frequency import OFFSETS, future_phase
 
 
 def _bands(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +51,7 @@ def latent_triattention_scores(latent: torch.Tensor, k_rope: torch.Tensor, next_
                                rope_qm: torch.Tensor, rope_qa: torch.Tensor, inv_freq: torch.Tensor,
                                content_mean: torch.Tensor, w_uk_t: torch.Tensor, *,
                                content_qa: torch.Tensor | None = None, content_factor: torch.Tensor | None = None,
-                               offsets=OFFSETS, interleaved: bool = True) -> torch.Tensor:
+                               offsets=OFFSETS, interleaved: bool = True, rope_scale: float = 1.0) -> torch.Tensor:
     """Raw TriAttention scores of every query head on every cached token of one MLA layer.
 
     latent `[B, n, r]`: the cached (normalised) latents `c_j`.
@@ -68,6 +69,10 @@ def latent_triattention_scores(latent: torch.Tensor, k_rope: torch.Tensor, next_
     content_factor `[B, Gc, n]`, optional: a positive per-token factor of the content key of each group
         of `H / Gc` heads (QK-norm MLA's cached inverse RMS); None: 1.
     offsets: TriAttention's future offsets `o` (default `{1, 2, 4, ..., 2^16}`).
+    interleaved: the band pairing of the stored key (`_bands`).
+    rope_scale: a factor the model's rotation applies to both the rope query and key (YaRN's attention
+        factor in DeepSeek checkpoints): the stored key carries it, the pre-RoPE statistics do not,
+        so the RoPE term is multiplied by it once.
 
     Returns `[B, H, n]` in the dtype of `latent` (phases formed in float64).
     """
@@ -94,7 +99,8 @@ def latent_triattention_scores(latent: torch.Tensor, k_rope: torch.Tensor, next_
         w = qm[None] * phases[:, None].to(qm.device)
     trig = torch.einsum("bnf,bhf->bhn", re, w.real.to(dtype)) + torch.einsum("bnf,bhf->bhn", im, w.imag.to(dtype))
     norm = torch.einsum("bnf,hf->bhn", torch.hypot(re, im), (rope_qa.to(torch.float64) - qm.abs()).to(dtype))
-    return content + trig + norm
+    rope = trig + norm
+    return content + (rope if rope_scale == 1.0 else rope * rope_scale)
 
 
 def latent_value_signatures(latents: Sequence[torch.Tensor], w_uv: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -111,3 +117,60 @@ def latent_value_signatures(latents: Sequence[torch.Tensor], w_uv: Sequence[torc
         part = torch.einsum("bnr,vr->bnv", c, w.to(c.dtype).mean(0))
         total = part if total is None else total + part
     return F.normalize(total / len(latents), dim=-1)
+
+
+def _store(stores: dict[str, torch.Tensor], suffix: str) -> torch.Tensor | None:
+    """The store of a group whose name ends with `.suffix` (`L{layer}.c_kv`, ...), None if absent."""
+    found = [t for name, t in stores.items() if name.endswith("." + suffix)]
+    return found[0] if len(found) == 1 else None
+
+
+def holds_latent(view) -> bool:
+    """Whether a `CacheView` holds an MLA latent (`c_kv` and `k_rope` stores per eviction group)."""
+    return not view.keys and bool(view.stores) and all(
+        _store(s, "c_kv") is not None and _store(s, "k_rope") is not None for s in view.stores)
+
+
+class LatentScoring:
+    """TriAttention's raw scores and alpha's V-signatures on the latent stores of a `CacheView`, for
+    one MLA model (`retention.calibration_latent.LatentModel`) and its latent statistics.
+
+    The view (issue 20's one cache): eviction group `g` is MLA layer `groups[g][0]`, with stores
+    `L{l}.c_kv` `[B, 1, n, r]`, `L{l}.k_rope` `[B, 1, n, d_r]` and, for QK-norm MLA, `L{l}.inv_rms`
+    `[B, G, n, 1]`. Scores are computed in float32, or float64 when the stores are float64.
+    """
+
+    def __init__(self, stats, latent):
+        self.stats, self.latent = stats, latent
+        weights = [latent.up_weights(layer) for layer in range(len(latent.attention))]
+        self.w_uk_t = [w[0].float() if w[0].dtype != torch.float64 else w[0] for w in weights]  # [H, r, d_nope]
+        self.w_uv = [w[1].float() if w[1].dtype != torch.float64 else w[1] for w in weights]  # [H, d_v, r]
+
+    def _layer(self, view, g: int) -> int:
+        members = view.groups[g]
+        if len(members) != 1:
+            raise RuntimeError(f"a latent eviction group of layers {members}: only one MLA layer per group is derived")
+        return members[0]
+
+    def raw(self, view, g: int) -> torch.Tensor:
+        """`[B, H, n]`: every query head's TriAttention score of every token of group `g`."""
+        layer, stores, st = self._layer(view, g), view.stores[g], self.stats
+        c, kr, rho = _store(stores, "c_kv")[:, 0], _store(stores, "k_rope")[:, 0], _store(stores, "inv_rms")
+        dtype = torch.float64 if c.dtype == torch.float64 else torch.float32
+        dev = c.device
+        t = view.uniform_next_position
+        return latent_triattention_scores(
+            c.to(dtype), kr.to(dtype), view.next_position if t is None else t, st.rope_qm[layer].to(dev),
+            st.rope_qa[layer].to(dev), self.latent.inv_freq.to(dev), st.content_mean[layer].to(dev),
+            self.w_uk_t[layer].to(dev), content_factor=None if rho is None else rho[..., 0],
+            interleaved=self.latent.key_interleaved, rope_scale=self.latent.rope_scale)
+
+    def signatures(self, view) -> torch.Tensor:
+        """`[B, 1, n, d_v]`: each token's V-signature from its latents in every group of the view.
+        Valid when every group holds the same tokens in the same order (the shared routing)."""
+        latents, w_uv = [], []
+        for g in range(view.num_layers):
+            c = _store(view.stores[g], "c_kv")[:, 0]
+            latents.append(c.to(torch.float64 if c.dtype == torch.float64 else torch.float32))
+            w_uv.append(self.w_uv[self._layer(view, g)].to(c.device))
+        return latent_value_signatures(latents, w_uv)[:, None]

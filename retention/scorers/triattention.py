@@ -24,7 +24,15 @@ tokens (the unprotected ones; population std clamped at 1e-6), max over the `r` 
 each KV head's group, mean over layers -> `[B, G, n]`: one kept set per KV head shared by all
 layers. `routing="per-layer"` skips the layer mean -> `[L, B, G, n]`, one kept set per (layer, KV head).
 
-Scoring runs in float32; the phases `w_f (t + d)` (up to ~1e5 rad) are formed in float64, where
+On an MLA latent cache (the view holds `c_kv` / `k_rope` stores, no per-head keys) the score is
+derived in `docs/layouts.md` and computed by `retention.scorers.latent`: per layer and query head
+the RoPE term (this score on the shared RoPE key) plus the content term (the mean content query
+absorbed into the latent), from the latent statistics of `retention.calibration_latent`. The
+aggregation is the same with one eviction head per layer whose group is all `H` query heads:
+z-score each (layer, head) row over the candidates, max over the `H` heads, mean over layers
+(`shared`, `[B, 1, n]`) or not (`per-layer`, `[L, B, 1, n]`).
+
+Scoring runs in float32 (on a latent: float64 when the stores are float64); the phases `w_f (t + d)` (up to ~1e5 rad) are formed in float64, where
 float32 would lose most of their fractional part.
 """
 
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -40,40 +49,36 @@ from retention.calibration import QueryStats, load_stats, rotary_inv_freq
 from retention.errors import RetentionError
 from retention.scorers import register
 from retention.scorers.base import Scorer
+from retention.scorers.frequency import OFFSETS, STD_FLOOR, future_phase, zscore_group_max, zscore_rows
+from retention.scorers.latent import LatentScoring, holds_latent
 
-# The geometric future offsets D = {1, 2, 4, ..., 2^16}: 17 values.
-OFFSETS = tuple(2**i for i in range(17))
+__all__ = ["OFFSETS", "STD_FLOOR", "ROUTINGS", "TriAttention", "future_phase", "global_union_keep", "head_scores",
+           "query_weights", "rope_inverted_head_scores", "zscore_group_max", "zscore_rows"]
+
 ROUTINGS = ("shared", "per-layer")
-STD_FLOOR = 1e-6
-
-
-def future_phase(inv_freq: torch.Tensor, t: int, offsets=OFFSETS) -> torch.Tensor:
-    """`mean_{d in D} exp(i w_f (t + d))` `[F]` complex128, from inverse frequencies `[F]`."""
-    w = inv_freq.double()
-    ang = w[:, None] * (float(t) + torch.tensor(offsets, dtype=torch.float64, device=w.device))[None, :]
-    return torch.polar(torch.ones_like(ang), ang).mean(-1)
 
 
 def query_weights(qm: torch.Tensor, qa: torch.Tensor, inv_freq: torch.Tensor, t: int, kv_heads: int,
-                  freq_scale: torch.Tensor | None = None, offsets=OFFSETS):
+                  freq_scale: torch.Tensor | None = None, offsets=OFFSETS, dtype: torch.dtype = torch.float32):
     """Per-query-head weights of the linear score form, for all layers at query position `t`.
 
     qm: `[L, Hq, F]` complex; qa: `[L, Hq, F]`; inv_freq: `[F]`; freq_scale: optional `[F]` weight of
     both terms per band (the reference's `freq_scale_sq`, ones for default RoPE; None = ones).
-    Returns (trig `[L, G, r, d]`, norm `[L, G, r, F]`) float32: `s = k . trig + |k_f| . norm`.
+    Returns (trig `[L, G, r, d]`, norm `[L, G, r, F]`) in `dtype` (the scorer's float32; float64 for
+    the exactness tests of `retention.scorers.latent`): `s = k . trig + |k_f| . norm`.
     """
     L, Hq, F = qm.shape
     scale = 1.0 if freq_scale is None else freq_scale.double().to(qm.device)
     w = qm.to(torch.complex128) * future_phase(inv_freq, t, offsets).to(qm.device) * scale  # [L, Hq, F]
-    trig = torch.cat([w.real, w.imag], dim=-1).float().reshape(L, kv_heads, Hq // kv_heads, 2 * F)
-    norm = ((qa.double() - qm.to(torch.complex128).abs()) * scale).float().reshape(L, kv_heads, Hq // kv_heads, F)
+    trig = torch.cat([w.real, w.imag], dim=-1).to(dtype).reshape(L, kv_heads, Hq // kv_heads, 2 * F)
+    norm = ((qa.double() - qm.to(torch.complex128).abs()) * scale).to(dtype).reshape(L, kv_heads, Hq // kv_heads, F)
     return trig, norm
 
 
 def head_scores(keys: torch.Tensor, trig: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     """Raw scores `s(l, h, j)` of one layer: keys `[B, G, n, d]` (post-RoPE), trig `[G, r, d]`,
-    norm `[G, r, F]` -> `[B, G, r, n]` float32."""
-    k = keys.float()
+    norm `[G, r, F]` -> `[B, G, r, n]` in the weights' dtype (float32 from the scorer)."""
+    k = keys.to(trig.dtype)
     F = k.shape[-1] // 2
     kmod = torch.hypot(k[..., :F], k[..., F:])  # [B, G, n, F]: |k_f|, unchanged by RoPE
     return torch.einsum("bgnd,grd->bgrn", k, trig) + torch.einsum("bgnf,grf->bgrn", kmod, norm)
@@ -103,23 +108,6 @@ def rope_inverted_head_scores(keys: torch.Tensor, positions: torch.Tensor, qm: t
     return trig + norm
 
 
-def zscore_rows(raw: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """raw `[..., n]`, candidates `[..., n]` bool (broadcastable) -> `[..., n]`: each row standardised
-    over its candidates (mean and population std, the std floored at 1e-6). Values at
-    non-candidates (protected tokens, padding) are meaningless: callers mask them."""
-    c = candidates.to(raw.dtype)
-    cnt = c.sum(-1, keepdim=True).clamp(min=1)
-    mean = (raw * c).sum(-1, keepdim=True) / cnt
-    var = (((raw - mean) ** 2) * c).sum(-1, keepdim=True) / cnt
-    return (raw - mean) / var.sqrt().clamp(min=STD_FLOOR)
-
-
-def zscore_group_max(raw: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """raw `[B, G, r, n]`, candidates `[B, G, n]` bool -> `[B, G, n]`: each (head) row z-scored over
-    its candidates (`zscore_rows`), then the max over the group's `r` query heads."""
-    return zscore_rows(raw, candidates[:, :, None, :]).amax(dim=2)
-
-
 def global_union_keep(z: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
     """The reference's `per_head_pruning=False` selection: one kept set shared by every head.
 
@@ -141,10 +129,15 @@ class TriAttention(Scorer):
     """Query-free top-k per KV head. Parameters: `stats` (statistics file; default: the model's
     default location), `routing` (`shared` | `per-layer`). Protects nothing by default."""
 
+    # Per-head post-RoPE keys, or an MLA latent (with the model's up-projections), and the statistics.
+    reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"keys", "calibration"}),
+                                                  frozenset({"latent", "calibration"}))
+
     stats: str | None = None
     routing: str = "shared"
     _stats: QueryStats | None = field(default=None, init=False, repr=False)
     _inv_freq: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _latent: LatentScoring | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.routing not in ROUTINGS:
@@ -158,19 +151,37 @@ class TriAttention(Scorer):
         """Use these statistics and rotary frequencies `[F]` (what `attach` does with the model's)."""
         self._stats, self._inv_freq = stats, inv_freq.float()
 
+    def bind_latent(self, stats, latent) -> None:
+        """Use these latent statistics (`retention.calibration_latent.LatentStats`) and this MLA model
+        (`LatentModel`) for views that hold a latent (what `attach` does with an MLA model)."""
+        self._latent = LatentScoring(stats, latent)
+
     @contextlib.contextmanager
     def _attached(self, model):
-        if self._stats is None:  # loaded once per scorer (benchmarks attach around every step)
-            self.bind(load_stats(self.stats, model), rotary_inv_freq(model))
+        if self._stats is None and self._latent is None:  # loaded once per scorer (benchmarks attach per step)
+            from retention.calibration_latent import latent_model, load_latent_stats
+
+            latent = latent_model(model)
+            if latent is not None:
+                self.check_latent()
+                self.bind_latent(load_latent_stats(self.stats, model, latent), latent)
+            else:
+                self.bind(load_stats(self.stats, model), rotary_inv_freq(model))
         yield self
+
+    def check_latent(self) -> None:
+        """Refuse, in one line, options this scorer does not define on a latent cache (none here)."""
 
     def attach(self, model):
         return self._attached(model)
 
     def layer_scores(self, view: CacheView):
-        """Yield, per layer, `[B, G, n]` group-max z-scores (see module doc)."""
+        """Yield, per layer (eviction group), `[B, G, n]` group-max z-scores (see module doc)."""
+        if not view.keys:
+            yield from self._latent_layer_scores(view)
+            return
         if self._stats is None:
-            raise RuntimeError("triattention scorer used outside attach() (no statistics bound)")
+            raise RuntimeError("triattention scorer used outside attach() (no per-head statistics bound)")
         G = view.keys[0].shape[1]
         dev = view.keys[0].device
         t = view.uniform_next_position
@@ -192,6 +203,19 @@ class TriAttention(Scorer):
                 raw = torch.einsum("bgnd,bgrd->bgrn", k, trig[l]) + torch.einsum("bgnf,bgrf->bgrn", kmod, norm[l])
             valid = view.valid[l]
             yield zscore_group_max(raw, ~view.protected[l] & valid).masked_fill(~valid, float("-inf"))
+
+    def _latent_layer_scores(self, view: CacheView):
+        """Per eviction group of a latent view, `[B, 1, n]`: each head's row z-scored over the
+        candidates, max over all `H` query heads (one eviction head per MLA layer)."""
+        if not holds_latent(view):
+            raise RuntimeError(f"{self.name}: the view holds neither per-head keys nor an MLA latent "
+                               f"(stores {sorted(view.stores[0]) if view.stores else []})")
+        if self._latent is None:
+            raise RuntimeError(f"{self.name} scorer used outside attach() on a latent cache (no latent statistics)")
+        for g in range(view.num_layers):
+            raw = self._latent.raw(view, g)[:, None]  # [B, 1, H, n]: the H heads are one group
+            valid = view.valid[g]
+            yield zscore_group_max(raw, ~view.protected[g] & valid).masked_fill(~valid, float("-inf"))
 
     def score(self, view: CacheView) -> torch.Tensor:
         """`[B, G, n]` (shared routing: mean over layers) or `[L, B, G, n]` (per-layer routing)."""
