@@ -147,7 +147,7 @@ class QueryStats:
 
     @classmethod
     def load(cls, path: str | Path) -> QueryStats:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.is_file():
@@ -160,7 +160,7 @@ class QueryStats:
                         f"{path} holds latent (MLA) statistics (of {meta.get('model_id')!r}), not the per-head "
                         "statistics this model needs; calibrate this model with `retention calibrate --model ...`")
                 t = {k: f.get_tensor(k) for k in ("qm_real", "qm_imag", "qa", "inv_freq")}
-        except (KeyError, ValueError, OSError, json.JSONDecodeError) as exc:
+        except (KeyError, ValueError, OSError, json.JSONDecodeError, SafetensorError) as exc:
             raise RetentionError(f"{path} is not a retention statistics file ({type(exc).__name__}: {exc})") from None
         return cls(torch.complex(t["qm_real"], t["qm_imag"]), t["qa"], t["inv_freq"], meta)
 

@@ -179,7 +179,7 @@ class LatentStats:
 
     @classmethod
     def load(cls, path: str | Path) -> LatentStats:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.is_file():
@@ -192,7 +192,7 @@ class LatentStats:
                         f"{path} holds per-head query statistics (of {meta.get('model_id')!r}), not the latent "
                         "statistics an MLA model needs; calibrate this model with `retention calibrate --model ...`")
                 t = {k: f.get_tensor(k) for k in TENSORS}
-        except (KeyError, ValueError, OSError, json.JSONDecodeError) as exc:
+        except (KeyError, ValueError, OSError, json.JSONDecodeError, SafetensorError) as exc:
             raise RetentionError(f"{path} is not a retention statistics file ({type(exc).__name__}: {exc})") from None
         return cls(torch.complex(t["rope_qm_real"], t["rope_qm_imag"]), t["rope_qa"], t["content_mean"],
                    t["content_qa"], t["inv_freq"], meta)
