@@ -48,7 +48,7 @@ def latent_view(model, seed: int = 0, same_position: bool = False) -> CacheView:
     L = model.config.layers
     g = torch.Generator().manual_seed(seed)
     lengths = (LENGTHS[0], LENGTHS[0]) if same_position else LENGTHS
-    stores, positions = [dict() for _ in range(L)], []
+    stores = [dict() for _ in range(L)]
     rows = []
     for r, length in enumerate(lengths):
         cache = _prefill(model, length, seed + r)
