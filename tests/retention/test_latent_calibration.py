@@ -207,9 +207,9 @@ def test_one_query_statistics_give_the_models_logit(case):
     re, im = _bands(q_rope, latent.query_interleaved)
     qm = torch.complex(re, im)
     w_uk_t, _ = latent.up_weights(layer)
-    rho = cache.tensors.get(f"L{layer}.inv_rms")
+    rho = cache.read(f"L{layer}.inv_rms")[0] if latent.family == "qk-norm-mla" else None  # [G, n, 1]
     got = latent_triattention_scores(c[None], kr[None], t, qm, qm.abs(), latent.inv_freq, q_nope, w_uk_t,
-                                     content_qa=q_nope.abs(), content_factor=None if rho is None else rho[..., 0],
+                                     content_qa=q_nope.abs(), content_factor=None if rho is None else rho[None, ..., 0],
                                      offsets=(0,), interleaved=latent.key_interleaved, rope_scale=latent.rope_scale)
     err = ((got[0] * scale - logits).abs().max() / logits.abs().max()).item()
     # float32 RoPE frequencies (as the models compute them) limit the agreement, not the derivation.
