@@ -75,8 +75,8 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
 
         family = TINY[ref.source].family
         if family in NOT_DERIVED:
-            raise RetentionError(f"{model} is a reference layout model ({family}) on whose cache triattention and alpha, "
-                                 f"the scorers these statistics serve, are not defined: {NOT_DERIVED[family]}; "
+            raise RetentionError(f"{model} is a reference layout model ({family}) on whose cache triattention and "
+                                 f"alpha, the scorers these statistics serve, are not defined: {NOT_DERIVED[family]}; "
                                  "nothing to calibrate")
     resolve_device(device)
     target = Path(out) if out else default_stats_path(model)

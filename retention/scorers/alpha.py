@@ -118,9 +118,9 @@ class Alpha(TriAttention):
 
     def check_latent(self) -> None:
         if self.per_layer:
-            raise RetentionError("alpha --routing per-layer is not defined on an MLA latent cache: a token's V-signature "
-                                 "is the mean over every layer's latent, and per-layer routing drops it from some layers "
-                                 "only; use --routing shared")
+            raise RetentionError("alpha --routing per-layer is not defined on an MLA latent cache: a token's "
+                                 "V-signature is the mean over every layer's latent, and per-layer routing drops it "
+                                 "from some layers only; use --routing shared")
 
     def observe(self, cache, next_position) -> None:
         """Write the signature of every token the last forward wrote (all layers and KV heads hold

@@ -32,8 +32,9 @@ aggregation is the same with one eviction head per layer whose group is all `H` 
 z-score each (layer, head) row over the candidates, max over the `H` heads, mean over layers
 (`shared`, `[B, 1, n]`) or not (`per-layer`, `[L, B, 1, n]`).
 
-Scoring runs in float32 (on a latent: float64 when the stores are float64); the phases `w_f (t + d)` (up to ~1e5 rad) are formed in float64, where
-float32 would lose most of their fractional part.
+Scoring runs in float32 (on a latent: float64 when the stores are float64); the phases
+`w_f (t + d)` (up to ~1e5 rad) are formed in float64, where float32 would lose most of their
+fractional part.
 """
 
 from __future__ import annotations
