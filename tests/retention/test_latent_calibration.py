@@ -228,3 +228,25 @@ def test_a_file_that_is_not_safetensors_is_one_error_line(tmp_path):
     for load in (LatentStats.load, QueryStats.load):
         with pytest.raises(RetentionError, match="not a retention statistics file"):
             load(tmp_path / "junk.safetensors")
+
+
+def test_calibrate_cli_on_a_deepseek_checkpoint_folder(tmp_path):
+    from retention.cli import main
+    from retention.models import build_tiny_tokenizer
+
+    folder = tmp_path / "ds"
+    model = deepseek("v3", 16, YARN_FACTOR, True).float()
+    model.save_pretrained(folder)
+    build_tiny_tokenizer().save_pretrained(folder)
+    text = tmp_path / "calib.txt"
+    text.write_text("Compute 12 * 7 = 84 and 84 / 4 = 21. " * 6, encoding="utf-8")
+    out = tmp_path / "ds.safetensors"
+    res = CliRunner().invoke(main, ["calibrate", "--model", str(folder), "--text", str(text), "--tokens", "100",
+                                    "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "2 layers x 4 query heads (MLA latent)" in res.output
+    st = load_latent_stats(out, model)  # checked against the checkpoint (geometry, pairings, YaRN factor)
+    geometry = st.meta["geometry"]
+    assert geometry["query_interleaved"] and not geometry["key_interleaved"] and geometry["rope_scale"] > 1.1
+    with pytest.raises(RetentionError, match="rope_scale"):
+        load_latent_stats(out, deepseek("v3", 16, YARN, True).float())
