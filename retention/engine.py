@@ -1,4 +1,5 @@
-"""The batched, continuously refilled decoding engine.
+"""The batched, continuously refilled decoding engine: transformers models and the reference layout
+models (`retention.arch`, DeepSeek checkpoints on the reference MLA) alike, through a `ModelAdapter`.
 
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
 rows. A queue of requests (one per (problem, sample)) feeds the slots: a request's prompt is prefilled
@@ -11,6 +12,13 @@ Why the output of a sequence does not depend on its neighbours: the prefill runs
 step attends within its own row (padding masked); the cadence and the scorer's state are per row;
 sampling uses one `torch.Generator` per slot, seeded from the request's own seed when it starts.
 With `S = 1` this is the single-sequence loop of `retention.generate.generate`.
+
+The model adapter is all that differs between the two kinds of model: how one step is forwarded
+(explicit positions; transformers get a 4-D mask that hides padding, the layout modules mask it by
+position), which cache it writes (the per-layer K/V layout of `RetentionCache`, or the layout's own
+stores: `RetentionCache.for_layout`) and what it provides to scorers beyond its stores
+(`provides`: `queries`/`calibration` through `retention.capture` on transformers, `attention` on
+the layout modules, which report it through the cache).
 
 With `fidelity=True` a second cache of the same rows holds the full (never compacted) cache and the
 same tokens are decoded through it too (batched as well); each step records KL(p_full || p_retained)
@@ -122,8 +130,7 @@ class EngineStats:
 
 @dataclass
 class SequenceState:
-    """One sequence in flight: its request, meter, sampler, fidelity record, tokens and timings
-    (also the row state of `retention.arch.generate`)."""
+    """One sequence in flight: its request, meter, sampler, fidelity record, tokens and timings."""
 
     req: Request
     meter: BudgetMeter
@@ -179,12 +186,61 @@ def cache_kwarg(model) -> str:
 def forward_step(model, input_ids: torch.Tensor, positions: torch.Tensor, cache, cache_kw: str,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One forward of `[R, q]` tokens at explicit absolute positions; returns the last logits `[R, V]`."""
+    if getattr(model, "reports_attention", False):  # a reference layout model (`retention.arch`)
+        return model(input_ids, positions, cache, logits_to_keep=1).logits[:, -1]
     if isinstance(cache, RetentionCache):
         cache.set_step_positions(positions)
     kw = {} if attention_mask is None else {"attention_mask": attention_mask}
     out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache},
                 **kw)
     return out.logits[:, -1]
+
+
+# What every cache provides to a scorer, and what each kind of model adds (`retention.scorers.READS`).
+TRANSFORMERS_PROVIDES = frozenset({"positions", "keys", "values", "queries", "calibration"})
+LAYOUT_MODEL_PROVIDES = frozenset({"positions", "attention"})
+
+
+def provides(layout, reference: bool) -> frozenset[str]:
+    """What a model with cache `layout` gives scorers: a transformers model its per-layer K/V
+    (`keys`, `values`) and the queries it computes (`queries`, so `calibration` too); a reference
+    layout model (`reference`) the attention its modules report, plus the layout's stores the
+    view exposes (`CacheLayout.provides`: a `latent` on MLA; per-head keys reach scorers only on
+    the transformers path)."""
+    if not reference:
+        return TRANSFORMERS_PROVIDES
+    return LAYOUT_MODEL_PROVIDES | (layout.provides & {"latent"})
+
+
+class ModelAdapter:
+    """What the engine needs from a model: one step forward at explicit positions (`forward`), the
+    cache it writes (`new_cache`: its `CacheLayout`) and what it provides to scorers (`provides`)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.reference = bool(getattr(model, "reports_attention", False))
+        self.cache_kw = None if self.reference else cache_kwarg(model)
+        self.dtype = next(model.parameters()).dtype
+        self.layout = model.cache_layout() if self.reference else None
+        self.L = self.layout.layers if self.reference else model.config.get_text_config().num_hidden_layers
+        self.provides = provides(self.layout, self.reference)
+
+    def new_cache(self, capacity: int | None, scorer=None) -> RetentionCache:
+        """An empty cache of the model's layout; with `scorer`, one that collects the attention the
+        modules report when the scorer reads it."""
+        if not self.reference:
+            return RetentionCache(self.L, capacity=capacity)
+        cache = RetentionCache.for_layout(self.layout, capacity)
+        cache.collect_attention = scorer is not None and "attention" in self.provides and any(
+            "attention" in alt for alt in scorer.reading())
+        return cache
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: RetentionCache, padded: bool = False) -> torch.Tensor:
+        """Logits `[R, V]` of one forward of `[R, q]` tokens; `padded`: rows may differ in length."""
+        if self.reference:
+            return self.model(ids, pos, cache, logits_to_keep=1).logits[:, -1]
+        mask = cache.attention_mask(1, self.dtype) if padded else None
+        return forward_step(self.model, ids, pos, cache, self.cache_kw, mask)
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
@@ -233,10 +289,9 @@ class Engine:
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.cache_kw = cache_kwarg(model)
+        self.adapter = ModelAdapter(model)
+        self.dtype = self.adapter.dtype
         self.clock = _Clock(self.device)
-        self.L = model.config.get_text_config().num_hidden_layers
         self.queue = list(requests)[::-1]  # pop() from the end = first request first
         self.S = max(1, min(batch_size, len(self.queue)))
         self.stats = EngineStats(busy=self.S)
@@ -262,17 +317,17 @@ class Engine:
             self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
         st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget), self.gens[slot],
                    Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None)
-        tmp = RetentionCache(self.L, capacity=P)
+        tmp = self.adapter.new_cache(P, policy.scorer)
         tmp.slots, tmp.prompt_lengths = [slot], [P]
         ids = torch.tensor([req.prompt_ids], device=dev)
         pos = torch.arange(P, device=dev)[None]
-        lg = forward_step(self.model, ids, pos, tmp, self.cache_kw)
+        lg = self.adapter.forward(ids, pos, tmp)
         st.meter.record_prefill(tmp.stored_lengths())
         tmp_ref = None
         if self.fidelity:
-            tmp_ref = RetentionCache(self.L, capacity=P + sampling.max_new_tokens)
+            tmp_ref = self.adapter.new_cache(P + sampling.max_new_tokens)
             tmp_ref.slots, tmp_ref.prompt_lengths = [slot], [P]
-            st.fid.add(forward_step(self.model, ids, pos, tmp_ref, self.cache_kw)[0], lg[0])
+            st.fid.add(self.adapter.forward(ids, pos, tmp_ref)[0], lg[0])
         t_c = _now(dev)
         self.stats.prefill_seconds += t_c - t0
         if policy.after_forward(tmp, P, st.meter, prefill=True):
@@ -326,6 +381,7 @@ class Engine:
         if self.fidelity:
             longest = max(len(st.req.prompt_ids) for st, _, _ in started)
             self.ref = RetentionCache.empty_like(started[0][2], len(started), longest + new)
+            self.ref.collect_attention = False
         for r, (st, tmp, tmp_ref) in enumerate(started):
             self.cache.load_row(r, tmp)
             if self.ref is not None:
@@ -343,13 +399,13 @@ class Engine:
         pos = torch.tensor([[len(st.req.prompt_ids) + len(st.out) - 1] for st in rows], device=dev)
         clock = self.clock
         t_step = clock.mark()
-        logits = forward_step(self.model, ids, pos, cache, self.cache_kw, cache.attention_mask(1, self.dtype))
+        logits = self.adapter.forward(ids, pos, cache, padded=True)
         t_fwd = clock.mark()
         stats.steps += 1
         for r, st in enumerate(rows):
             st.meter.record([cache.lengths[r]])
         if ref is not None:
-            ref_logits = forward_step(self.model, ids, pos, ref, self.cache_kw, ref.attention_mask(1, self.dtype))
+            ref_logits = self.adapter.forward(ids, pos, ref, padded=True)
             kl, agree = step_agreement(ref_logits, logits)
             for r, st in enumerate(rows):
                 st.fid.kl.append(kl[r])

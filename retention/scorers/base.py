@@ -4,8 +4,11 @@ shared top-k selector. Everything here is exported from `retention.scorers`.
 Shapes: `L` layers, `B` rows of a view (sequences due for compaction now), `G` KV heads, `n` cached
 tokens per row (padded to the longest row of the view), `d` head dimension, `k` tokens to keep.
 
-What a scorer sees at a compaction, `CacheView` (`retention.cache`):
-    keys, values   `L` tensors `[B, G, n, d]` (keys after RoPE), in the model's dtype
+What a scorer sees at a compaction, `CacheView` (`retention.cache`); `L` counts eviction groups
+(layers on the per-layer K/V layout of a transformers model; the sharing groups of a layout model):
+    keys, values   `L` tensors `[B, G, n, d]` (keys after RoPE), in the model's dtype; only on the
+                   per-layer K/V layout (empty lists on a layout model: read `stores`)
+    stores         per group, store name -> `[B, h, n, d]`; groups: the layers of each group
     positions      `L` tensors `[B, G, n]` int64 absolute positions, -1 on padding
     protected      `L` tensors `[B, G, n]` bool: sinks, the recent window (and the prompt with
                    --protect-prompt); the selector must keep them
@@ -85,6 +88,10 @@ class Scorer:
     # False for `full`: the policy never compacts.
     evicts: ClassVar[bool] = True
 
+    def reading(self) -> tuple[frozenset[str], ...]:
+        """What this instance reads (`reads`, or fewer alternatives when a parameter fixes one)."""
+        return self.reads
+
     def attach(self, model) -> contextlib.AbstractContextManager:
         """Set-up for one run on `model` (load statistics, start recording queries)."""
         return contextlib.nullcontext()
@@ -152,4 +159,7 @@ class WindowScorer(Scorer):
                 self._recorder = None
 
     def attach(self, model):
+        """Record the model's queries; a layout model reports attention through its cache instead."""
+        if getattr(model, "reports_attention", False):
+            return contextlib.nullcontext(self)
         return self._attached(model)

@@ -15,7 +15,6 @@ import math
 import pytest
 import torch
 
-from retention.arch.cache import LayoutCache
 from retention.arch.model import build_arch
 from retention.arch.modules import _heads, rope
 from retention.scorers.alpha import token_signatures
