@@ -89,3 +89,14 @@ def test_snapkv_rule_is_recorded_only_when_set():
     assert config["scorer_params"]["rule"] == "head"
     with pytest.raises(RetentionError, match="snapkv cannot score the tiny-random cache: it reads attention"):
         validate_arm(dict(base, scorer_params={"rule": "group"}))
+
+
+def test_check_scorer_refuses_what_its_model_does_not_provide(tmp_path):
+    """`retention check-scorer` (tiny-random, a transformers model) applies the same reads check."""
+    from retention.contract.checks import run_checks
+
+    path = tmp_path / "latent.py"
+    path.write_text(KEYS.replace("KeyMean", "LatentMean").replace('{"keys"}', '{"latent"}'))
+    (result,) = run_checks(f"{path}:LatentMean", share=False)
+    assert result.name == "set-up" and result.ok is False
+    assert "cannot score the tiny-random cache: it reads latent, and latent is not provided" in result.detail
