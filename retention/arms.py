@@ -121,7 +121,7 @@ def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
     the model does not provide (`Scorer.reads` against `retention.engine.provides`): before any
     model is loaded (the layout of a reference layout model or a DeepSeek checkpoint comes from
     its configuration)."""
-    from retention.engine import provides
+    from retention.adapter import provides
     from retention.scorers import get_scorer_class, reads_refusal
 
     layout, reference = None, False

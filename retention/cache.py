@@ -1,24 +1,38 @@
-"""The retention cache: a transformers `Cache` of `S` sequence slots in preallocated buffers.
+"""The retention cache: a transformers `Cache` of `S` sequence slots in preallocated buffers, for
+every cache layout (the one cache of issue 20).
 
 Shapes: slots (rows) `S`, KV heads `G`, capacity `cap`, head dim `d`, layers `L`, due rows `B`.
 
-Each layer holds `[S, G, cap, d]` key and value buffers (post-RoPE keys exactly as the model wrote
-them) and `[S, G, cap]` absolute positions, plus any per-token state a scorer registers
-(`extra`, `[S, G, cap, ...]`). Every row has its own stored length (`lengths`, one per row, the same
+Layouts: the cache holds one `RetentionLayer` per eviction group. On a transformers model (the
+per-layer K/V layout) a group is a layer with stores `k` and `v`, written by transformers'
+`update`. On a reference layout model (`for_layout`: MLA, QK-norm MLA, CLA, cross-layer paths) a
+group is a sharing group of the `CacheLayout` and holds every store its layers read (a latent and
+its RoPE key, a shared K/V, a path's alpha and deltas, per-group inverse-RMS scalars), written by the
+modules through `begin_step`/`append`; one kept set per group and eviction head, so a token dropped
+from a shared store is dropped for every layer that reads it, and on a latent (`G = 1`) it is kept
+or dropped whole. Everything below holds for both.
+
+Each group holds its stores `[S, h, cap, d]` (on the K/V layout the key and value buffers, post-RoPE
+keys exactly as the model wrote them) and `[S, G, cap]` absolute positions, plus any per-token state
+a scorer registers (`extra`, `[S, G, cap, ...]`). Every row has its own stored length (`lengths`, one per row, the same
 for every layer and KV head: a compaction keeps the same number of tokens everywhere, so tensors stay
 rectangular while different heads may keep different tokens). A new token is written in place at
 its row's length; a compaction gathers a row's kept tokens to the front of its own buffer; nothing
 is reallocated unless the capacity is exceeded (it then doubles: the `full` policy's growth).
 
-What the model attends to: `layer.keys` / `layer.values` are views `[S, G, w, d]` of the buffers
-with `w` the largest stored length; entries of a row past its own length are padding, masked by the
-4-D additive mask `attention_mask()` (None when every row has the same length, so that a single
+What the model attends to: `layer.keys` / `layer.values` (a layout model: `read(store)`) are views
+`[S, G, w, d]` of the buffers with `w` the largest stored length; entries of a row past its own
+length are padding, masked by the 4-D additive mask `attention_mask()` (a layout model: by the
+position `PAD` that `layer_positions` reports for them) (None when every row has the same length, so that a single
 sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
 code is not patched.
 
 Positions are never compacted and stored keys are never re-rotated: the caller passes explicit
 absolute `position_ids` for every forward (`set_step_positions`), because after a compaction the
 model would otherwise infer positions from the (shorter) cache length and silently decode garbage.
+
+(Over 400 lines: one class is the cache of every layout; its write, read, compaction, refill and
+row-move paths keep one set of buffer invariants, which is the point of having one.)
 """
 
 from __future__ import annotations

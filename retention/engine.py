@@ -1,5 +1,6 @@
-"""The batched, continuously refilled decoding engine: transformers models and the reference layout
-models (`retention.arch`, DeepSeek checkpoints on the reference MLA) alike, through a `ModelAdapter`.
+"""The batched, continuously refilled decoding engine of every model: transformers models and the
+reference layout models (`retention.arch`, DeepSeek checkpoints on the reference MLA) alike; the
+model adapter (`retention.adapter`) is all that differs (the step forward, the cache, what it provides).
 
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
 rows. A queue of requests (one per (problem, sample)) feeds the slots: a request's prompt is prefilled
@@ -13,13 +14,6 @@ step attends within its own row (padding masked); the cadence and the scorer's s
 sampling uses one `torch.Generator` per slot, seeded from the request's own seed when it starts.
 With `S = 1` this is the single-sequence loop of `retention.generate.generate`.
 
-The model adapter is all that differs between the two kinds of model: how one step is forwarded
-(explicit positions; transformers get a 4-D mask that hides padding, the layout modules mask it by
-position), which cache it writes (the per-layer K/V layout of `RetentionCache`, or the layout's own
-stores: `RetentionCache.for_layout`) and what it provides to scorers beyond its stores
-(`provides`: `queries`/`calibration` through `retention.capture` on transformers, `attention` on
-the layout modules, which report it through the cache).
-
 With `fidelity=True` a second cache of the same rows holds the full (never compacted) cache and the
 same tokens are decoded through it too (batched as well); each step records KL(p_full || p_retained)
 and whether the top-1 tokens agree.
@@ -32,13 +26,14 @@ decode step (a compaction step reads a few small tensors).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from retention.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVIDES, ModelAdapter, cache_kwarg,  # noqa: F401
+                               forward_step, provides)
 from retention.cache import RetentionCache
 from retention.meter import BudgetMeter
 from retention.policy import RetentionPolicy
@@ -175,72 +170,6 @@ def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def cache_kwarg(model) -> str:
-    """transformers is renaming the forward's cache argument (`past_key_values` -> `cache`)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def forward_step(model, input_ids: torch.Tensor, positions: torch.Tensor, cache, cache_kw: str,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One forward of `[R, q]` tokens at explicit absolute positions; returns the last logits `[R, V]`."""
-    if getattr(model, "reports_attention", False):  # a reference layout model (`retention.arch`)
-        return model(input_ids, positions, cache, logits_to_keep=1).logits[:, -1]
-    if isinstance(cache, RetentionCache):
-        cache.set_step_positions(positions)
-    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
-    out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache},
-                **kw)
-    return out.logits[:, -1]
-
-
-# What every cache provides to a scorer, and what each kind of model adds (`retention.scorers.READS`).
-TRANSFORMERS_PROVIDES = frozenset({"positions", "keys", "values", "queries", "calibration"})
-LAYOUT_MODEL_PROVIDES = frozenset({"positions", "attention"})
-
-
-def provides(layout, reference: bool) -> frozenset[str]:
-    """What a model with cache `layout` gives scorers: a transformers model its per-layer K/V
-    (`keys`, `values`) and the queries it computes (`queries`, so `calibration` too); a reference
-    layout model (`reference`) the attention its modules report, plus the layout's stores the
-    view exposes (`CacheLayout.provides`: a `latent` on MLA; per-head keys reach scorers only on
-    the transformers path)."""
-    if not reference:
-        return TRANSFORMERS_PROVIDES
-    return LAYOUT_MODEL_PROVIDES | (layout.provides & {"latent"})
-
-
-class ModelAdapter:
-    """What the engine needs from a model: one step forward at explicit positions (`forward`), the
-    cache it writes (`new_cache`: its `CacheLayout`) and what it provides to scorers (`provides`)."""
-
-    def __init__(self, model):
-        self.model = model
-        self.reference = bool(getattr(model, "reports_attention", False))
-        self.cache_kw = None if self.reference else cache_kwarg(model)
-        self.dtype = next(model.parameters()).dtype
-        self.layout = model.cache_layout() if self.reference else None
-        self.L = self.layout.layers if self.reference else model.config.get_text_config().num_hidden_layers
-        self.provides = provides(self.layout, self.reference)
-
-    def new_cache(self, capacity: int | None, scorer=None) -> RetentionCache:
-        """An empty cache of the model's layout; with `scorer`, one that collects the attention the
-        modules report when the scorer reads it."""
-        if not self.reference:
-            return RetentionCache(self.L, capacity=capacity)
-        cache = RetentionCache.for_layout(self.layout, capacity)
-        cache.collect_attention = scorer is not None and "attention" in self.provides and any(
-            "attention" in alt for alt in scorer.reading())
-        return cache
-
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: RetentionCache, padded: bool = False) -> torch.Tensor:
-        """Logits `[R, V]` of one forward of `[R, q]` tokens; `padded`: rows may differ in length."""
-        if self.reference:
-            return self.model(ids, pos, cache, logits_to_keep=1).logits[:, -1]
-        mask = cache.attention_mask(1, self.dtype) if padded else None
-        return forward_step(self.model, ids, pos, cache, self.cache_kw, mask)
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
