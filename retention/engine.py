@@ -219,7 +219,6 @@ class Engine:
         self.on_finish, self.on_token = on_finish, on_token
         self.device = next(model.parameters()).device
         self.adapter = ModelAdapter(model)
-        self.dtype = self.adapter.dtype
         self.clock = _Clock(self.device)
         self.queue = list(requests)[::-1]  # pop() from the end = first request first
         self.S = max(1, min(batch_size, len(self.queue)))

@@ -32,7 +32,7 @@ Optional hooks, for scorers that need more than the cache:
     compacted(keep, view)  after every compaction, with the kept indices of the rows of `view`
 Class attributes: `reads` (what the scorer reads, alternatives: `retention.scorers.READS` names the
 kinds; a run refuses a cache layout and model that do not provide one of them, saying what is
-missing), `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
+missing; `reading()` narrows them when a parameter fixes one), `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
 `per_layer`, `default_sink` / `default_recent` (protected tokens unless --sink / --recent say),
 `evicts` (False: never compacts), and `min_recent()` for a window the cadence must count inside b.
 
