@@ -12,9 +12,9 @@ from pathlib import Path
 
 from retention.errors import RetentionError
 
-# What `--engine` (and a plan arm's "engine") may name: this project's batched engine, the reference
-# modules for DeepSeek checkpoints, vLLM for non-evicting arms.
-ENGINES = ("hf", "reference", "vllm")
+# What `--engine` (and a plan arm's "engine") may name: this project's batched engine (every model,
+# DeepSeek checkpoints on the reference MLA included), vLLM for non-evicting arms.
+ENGINES = ("hf", "vllm")
 
 
 def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict, "Cadence"]:  # noqa: F821
@@ -29,7 +29,9 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
     fields = {f.name for f in dataclasses.fields(cls)} - {"seed"}
     params = {k: v for k, v in options.items() if k in fields and v is not None}
     scorer_obj = make_scorer(scorer, **params)  # validates parameters now, not in the middle of a run
-    params = {k: getattr(scorer_obj, k) for k in sorted(fields) if not k.startswith("_")}
+    unset = set(getattr(cls, "unrecorded_when_unset", ()))  # newer parameters: recorded once set
+    params = {k: getattr(scorer_obj, k) for k in sorted(fields)
+              if not k.startswith("_") and not (k in unset and getattr(scorer_obj, k) is None)}
     extra = {}
     if "stats" in params:
         params["stats"], extra["stats_sha256"] = _resolve_stats(params["stats"], base["model"])
@@ -114,12 +116,34 @@ def _number(cfg: dict, key: str, kind, flag: str, *, lo=None, hi=None, lo_open=F
     return value
 
 
+def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
+    """Refuse, in one line naming what is missing, a scorer (built-in or plugin) that reads what
+    the model does not provide (`Scorer.reads` against `retention.engine.provides`): before any
+    model is loaded (the layout of a reference layout model or a DeepSeek checkpoint comes from
+    its configuration)."""
+    from retention.adapter import provides
+    from retention.scorers import get_scorer_class, reads_refusal
+
+    layout, reference = None, False
+    if ref.kind in ("arch", "local"):
+        from retention.models import model_layout
+
+        layout = model_layout(ref.name, dtype)
+        reference = ref.kind == "arch" or layout.family == "mla"  # DeepSeek: the reference MLA
+    reads = get_scorer_class(scorer).reads if reads is None else reads
+    refusal = reads_refusal(scorer, reads, provides(layout, reference),
+                            layout.name if layout is not None else ref.name, reference)
+    if refusal is not None:
+        raise RetentionError(refusal)
+
+
 def validate_arm(cfg: dict):
     """Validate one arm's complete run configuration exactly as `run` will run it.
 
     The one validation of `run`, `preregister` (each arm of each cell) and `confirm` (before any
     generation): sampling numbers (finite, in range), model alias, dtype, device, split, scorer and
-    its parameters, statistics file, budget/interval/accounting/sink/recent combination. cfg uses
+    its parameters, statistics file, budget/interval/accounting/sink/recent combination, and that
+    the model provides what the scorer reads (`check_scorer_reads`). cfg uses
     the run-configuration keys of docs/records.md (`run` resolves each listed scorer's own
     parameters first: `retention.scorer_options`). Returns (scorer, config, params, cadence).
     """
@@ -135,17 +159,7 @@ def validate_arm(cfg: dict):
     engine = cfg.get("engine", "hf")
     if engine not in ENGINES:
         raise RetentionError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    if ref.kind in ("arch", "local") or engine == "reference":  # layouts that may refuse some scorers
-        from retention.arch.retention import check_run_scorers
-        from retention.models import model_layout
-
-        layout = model_layout(cfg["model"], str(cfg.get("dtype", "float32")))
-        if engine == "reference" and (ref.kind != "local" or layout.family != "mla"):
-            what = "is a reference layout model, always decoded on these modules" if ref.kind == "arch" else (
-                f"has a {layout.family} cache")
-            raise RetentionError(f"--engine reference runs DeepSeek-V2/V3 (MLA) checkpoint folders; {cfg['model']} "
-                                 f"{what}")
-        check_run_scorers("arch" if engine == "reference" else ref.kind, layout, [cfg["scorer"]])
+    check_scorer_reads(cfg["scorer"], ref, str(cfg.get("dtype", "float32")))
     resolve_device(str(cfg.get("device", "cpu")))
     _number(cfg, "temperature", float, "--temperature", lo=0, hi=100, default=0.6)
     _number(cfg, "top_p", float, "--top-p", lo=0, hi=1, lo_open=True, default=0.95)
@@ -198,6 +212,10 @@ def validate_arm(cfg: dict):
         config, built, cadence = build_arm_config(base, cfg["scorer"], options)
     except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
+    from retention.scorers import make_scorer
+
+    # Again with the parameters given (e.g. snapkv's rule keeps one of its alternatives).
+    check_scorer_reads(cfg["scorer"], ref, str(cfg.get("dtype", "float32")), make_scorer(cfg["scorer"], **built).reading())
     if built.get("stats"):
         check_stats_file(Path(built["stats"]))
     from retention.plugins import check_registered

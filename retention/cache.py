@@ -1,24 +1,38 @@
-"""The retention cache: a transformers `Cache` of `S` sequence slots in preallocated buffers.
+"""The retention cache: a transformers `Cache` of `S` sequence slots in preallocated buffers, for
+every cache layout (the one cache of issue 20).
 
 Shapes: slots (rows) `S`, KV heads `G`, capacity `cap`, head dim `d`, layers `L`, due rows `B`.
 
-Each layer holds `[S, G, cap, d]` key and value buffers (post-RoPE keys exactly as the model wrote
-them) and `[S, G, cap]` absolute positions, plus any per-token state a scorer registers
-(`extra`, `[S, G, cap, ...]`). Every row has its own stored length (`lengths`, one per row, the same
+Layouts: the cache holds one `RetentionLayer` per eviction group. On a transformers model (the
+per-layer K/V layout) a group is a layer with stores `k` and `v`, written by transformers'
+`update`. On a reference layout model (`for_layout`: MLA, QK-norm MLA, CLA, cross-layer paths) a
+group is a sharing group of the `CacheLayout` and holds every store its layers read (a latent and
+its RoPE key, a shared K/V, a path's alpha and deltas, per-group inverse-RMS scalars), written by the
+modules through `begin_step`/`append`; one kept set per group and eviction head, so a token dropped
+from a shared store is dropped for every layer that reads it, and on a latent (`G = 1`) it is kept
+or dropped whole. Everything below holds for both.
+
+Each group holds its stores `[S, h, cap, d]` (on the K/V layout the key and value buffers, post-RoPE
+keys exactly as the model wrote them) and `[S, G, cap]` absolute positions, plus any per-token state
+a scorer registers (`extra`, `[S, G, cap, ...]`). Every row has its own stored length (`lengths`, one per row, the same
 for every layer and KV head: a compaction keeps the same number of tokens everywhere, so tensors stay
 rectangular while different heads may keep different tokens). A new token is written in place at
 its row's length; a compaction gathers a row's kept tokens to the front of its own buffer; nothing
 is reallocated unless the capacity is exceeded (it then doubles: the `full` policy's growth).
 
-What the model attends to: `layer.keys` / `layer.values` are views `[S, G, w, d]` of the buffers
-with `w` the largest stored length; entries of a row past its own length are padding, masked by the
-4-D additive mask `attention_mask()` (None when every row has the same length, so that a single
+What the model attends to: `layer.keys` / `layer.values` (a layout model: `read(store)`) are views
+`[S, G, w, d]` of the buffers with `w` the largest stored length; entries of a row past its own
+length are padding, masked by the 4-D additive mask `attention_mask()` (a layout model: by the
+position `PAD` that `layer_positions` reports for them) (None when every row has the same length, so that a single
 sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
 code is not patched.
 
 Positions are never compacted and stored keys are never re-rotated: the caller passes explicit
 absolute `position_ids` for every forward (`set_step_positions`), because after a compaction the
 model would otherwise infer positions from the (shorter) cache length and silently decode garbage.
+
+(Over 400 lines: one class is the cache of every layout; its write, read, compaction, refill and
+row-move paths keep one set of buffer invariants, which is the point of having one.)
 """
 
 from __future__ import annotations
@@ -29,47 +43,71 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 
+PAD = 2**62  # the position padding reads as on a layout model (`layer_positions`): after every query
+
+
 class RetentionLayer(DynamicLayer):
-    """One layer: buffers `kbuf`/`vbuf` `[S, G, cap, d]`, `pbuf` `[S, G, cap]` (int64), `extra` name ->
-    `[S, G, cap, ...]`; `keys`/`values`/`positions` are views of the first `w` entries of every row."""
+    """One eviction group (one layer on the per-layer K/V layout): every store of the group
+    `stores[name]` `[S, h, cap, d]` (`k`/`v` on the K/V layout), `pbuf` `[S, G, cap]` (int64) and
+    `extra` name -> `[S, G, cap, ...]`; `keys`/`values`/`positions` are views of the first `w`
+    entries of every row (`keys`/`values` on the K/V layout only)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.kbuf = self.vbuf = self.pbuf = None
+        self.stores: dict[str, torch.Tensor] = {}
+        self.pbuf = None
         self.positions: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
 
+    @property
+    def kbuf(self):
+        return self.stores.get("k")
+
+    @property
+    def vbuf(self):
+        return self.stores.get("v")
+
     def allocate(self, rows: int, heads: int, cap: int, kdim: int, vdim: int, dtype, device) -> None:
-        self.device = device
-        self.kbuf = torch.zeros(rows, heads, cap, kdim, dtype=dtype, device=device)
-        self.vbuf = torch.zeros(rows, heads, cap, vdim, dtype=dtype, device=device)
-        self.pbuf = torch.full((rows, heads, cap), -1, dtype=torch.long, device=device)
-        self.extra = {}
-        self.is_initialized = True
+        self.allocate_positions(rows, heads, cap, device)
+        self.stores = {"k": torch.zeros(rows, heads, cap, kdim, dtype=dtype, device=device),
+                       "v": torch.zeros(rows, heads, cap, vdim, dtype=dtype, device=device)}
         self.set_width(0)
 
+    def allocate_positions(self, rows: int, heads: int, cap: int, device) -> None:
+        self.device = device
+        self.pbuf = torch.full((rows, heads, cap), -1, dtype=torch.long, device=device)
+        self.stores, self.extra = {}, {}
+        self.is_initialized = True
+
     def set_width(self, w: int) -> None:
-        self.keys, self.values, self.positions = self.kbuf[:, :, :w], self.vbuf[:, :, :w], self.pbuf[:, :, :w]
+        self.positions = self.pbuf[:, :, :w]
+        if "k" in self.stores:
+            self.keys, self.values = self.stores["k"][:, :, :w], self.stores["v"][:, :, :w]
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        """Every per-token buffer (token axis 2), keys first."""
-        return {"k": self.kbuf, "v": self.vbuf, "p": self.pbuf, **{f"x.{k}": v for k, v in self.extra.items()}}
+        """Every per-token buffer (token axis 2), stores first."""
+        return {**self.stores, "p": self.pbuf, **{f"x.{k}": v for k, v in self.extra.items()}}
 
     def set_buffers(self, bufs: dict[str, torch.Tensor]) -> None:
-        self.kbuf, self.vbuf, self.pbuf = bufs["k"], bufs["v"], bufs["p"]
+        self.pbuf = bufs["p"]
+        self.stores = {k: v for k, v in bufs.items() if k != "p" and not k.startswith("x.")}
         self.extra = {k[2:]: v for k, v in bufs.items() if k.startswith("x.")}
 
     @property
     def capacity(self) -> int:
-        return 0 if self.kbuf is None else self.kbuf.shape[2]
+        return 0 if self.pbuf is None else self.pbuf.shape[2]
 
     def allocated_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (self.kbuf, self.vbuf) if b is not None)
+        return sum(b.numel() * b.element_size() for b in self.stores.values())
+
+    def token_bytes(self) -> int:
+        """Bytes one stored token costs in this group's stores (one row)."""
+        return sum(b[0, :, 0].numel() * b.element_size() for b in self.stores.values())
 
     def reset(self) -> None:
         super().reset()
-        self.kbuf = self.vbuf = self.pbuf = self.positions = None
-        self.extra = {}
+        self.pbuf = self.positions = None
+        self.stores, self.extra = {}, {}
 
 
 @dataclass
@@ -140,6 +178,12 @@ class RetentionCache(Cache):
     call `view(...)` and `compact_rows(...)`. `capacity`: tokens preallocated per row (grown by
     doubling when exceeded); None starts at the first write's size. With no compaction and one row
     this cache hands the model exactly what `DynamicCache` would, which the exactness tests hold.
+
+    `for_layout(layout)` builds the cache of a reference layout model (`retention.arch`): one
+    `RetentionLayer` per eviction group of the layout holding every store of the group. Its modules
+    call `begin_step` (instead of `set_step_positions`), `append`/`read` a store by name,
+    `layer_positions` (padding reads as position `PAD`, after every query, so the causal mask hides
+    it), `note_attention` and `scratch` (per-forward values handed down a cross-layer path).
     """
 
     def __init__(self, num_layers: int, capacity: int | None = None):
@@ -150,6 +194,31 @@ class RetentionCache(Cache):
         self.prompt_lengths: list[int] = []  # prompt tokens of each row's sequence (the prompt rule)
         self._step_positions: torch.Tensor | None = None
         self._write_at: list[int] = []
+        # Layout models only (`for_layout`): the layout, its eviction groups, and per step the
+        # attention each group's stored tokens received (`collect_attention`), padded positions.
+        self.layout = None
+        self.groups: list[tuple[int, ...]] = [(i,) for i in range(num_layers)]
+        self.group_of_layer = {i: i for i in range(num_layers)}
+        self.group_of_store: dict[str, int] = {}
+        self.collect_attention = False
+        self.attention: list[torch.Tensor | None] = []
+        self.scratch: dict = {}
+        self._layer_pos: list[torch.Tensor] = []
+
+    @classmethod
+    def for_layout(cls, layout, capacity: int | None = None) -> RetentionCache:
+        """The cache of a `retention.layouts.CacheLayout` (a reference layout model): one group per
+        sharing group, positions `[S, layout.kv_heads, cap]`, every store `[S, heads, cap, dim]`."""
+        groups = layout.groups()
+        c = cls(len(groups), capacity)
+        c.layout, c.groups = layout, groups
+        c.group_of_layer = {layer: g for g, members in enumerate(groups) for layer in members}
+        c.group_of_store = {s.name: c.group_of_layer[s.writer] for s in layout.stores}
+        return c
+
+    @property
+    def is_layout(self) -> bool:
+        return self.layout is not None
 
     # -- writing ---------------------------------------------------------------------------------
     def set_step_positions(self, position_ids: torch.Tensor) -> None:
@@ -160,16 +229,19 @@ class RetentionCache(Cache):
     def rows(self) -> int:
         return len(self.lengths)
 
+    def _init_rows(self, R: int) -> None:
+        self.lengths = [0] * R
+        self.slots = self.slots if len(self.slots) == R else list(range(R))
+        self.prompt_lengths = self.prompt_lengths if len(self.prompt_lengths) == R else [0] * R
+
     def _ensure(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
         first = self.layers[0]
-        if first.kbuf is None:
+        if first.pbuf is None:
             R, G, _, dk = key_states.shape
             cap = max(self.capacity or 0, need)
             for layer in self.layers:
                 layer.allocate(R, G, cap, dk, value_states.shape[-1], key_states.dtype, key_states.device)
-            self.lengths = [0] * R
-            self.slots = self.slots if len(self.slots) == R else list(range(R))
-            self.prompt_lengths = self.prompt_lengths if len(self.prompt_lengths) == R else [0] * R
+            self._init_rows(R)
         elif need > first.capacity:
             self._grow(max(2 * first.capacity, need))
 
@@ -183,6 +255,18 @@ class RetentionCache(Cache):
                 new[name] = nb
             layer.set_buffers(new)
             layer.set_width(max(self.lengths, default=0))
+
+    @staticmethod
+    def _write(buf: torch.Tensor, x: torch.Tensor, at: list[int]) -> None:
+        """Write `x` `[S, h, q, ...]` into `buf` at each row's own index `at[r]`."""
+        q = x.shape[2]
+        if all(a == at[0] for a in at):  # every row at the same length: one slice write
+            buf[:, :, at[0]:at[0] + q] = x
+            return
+        if q != 1:  # rows at different lengths (decode, q = 1): scatter each row's token at its own index
+            raise RuntimeError("a multi-token forward needs every row at the same stored length")
+        r = torch.arange(len(at), device=buf.device)
+        buf[r, :, torch.tensor(at, device=buf.device)] = x[:, :, 0]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         """Write the `q` new tokens of every row at its own length; return the `[S, G, w, d]` views."""
@@ -199,16 +283,16 @@ class RetentionCache(Cache):
         at = self._write_at
         if all(a == at[0] for a in at):  # every row at the same length: one slice write
             s = slice(at[0], at[0] + q)
-            layer.kbuf[:, :, s], layer.vbuf[:, :, s], layer.pbuf[:, :, s] = key_states, value_states, pos
+            layer.stores["k"][:, :, s], layer.stores["v"][:, :, s], layer.pbuf[:, :, s] = key_states, value_states, pos
             for b in layer.extra.values():  # per-token state of a new token starts at zero
                 b[:, :, s] = 0
         else:  # rows at different lengths (decode, q = 1): scatter each row's token at its own index
             if q != 1:
                 raise RuntimeError("a multi-token forward needs every row at the same stored length")
-            r = torch.arange(self.rows, device=layer.kbuf.device)
-            idx = torch.tensor(at, device=layer.kbuf.device)
-            layer.kbuf[r, :, idx] = key_states[:, :, 0]
-            layer.vbuf[r, :, idx] = value_states[:, :, 0]
+            r = torch.arange(self.rows, device=layer.pbuf.device)
+            idx = torch.tensor(at, device=layer.pbuf.device)
+            layer.stores["k"][r, :, idx] = key_states[:, :, 0]
+            layer.stores["v"][r, :, idx] = value_states[:, :, 0]
             layer.pbuf[r, :, idx] = pos[:, :, 0]
             for b in layer.extra.values():
                 b[r, :, idx] = 0
@@ -217,15 +301,87 @@ class RetentionCache(Cache):
             self.lengths = [a + q for a in at]
         return layer.keys, layer.values
 
+    # -- the layout models' API (`retention.arch.modules`) ---------------------------------------
+    def begin_step(self, position_ids: torch.Tensor) -> None:
+        """A layout model's forward starts: its `q` tokens per row `[S, q]` at these absolute
+        positions are written at each row's length (positions now, stores by `append`)."""
+        self.scratch = {}
+        self._step_positions = position_ids
+        R, q = position_ids.shape
+        first = self.layers[0]
+        need = max(self.lengths, default=0) + q
+        if first.pbuf is None:
+            cap = max(self.capacity or 0, need)
+            for layer in self.layers:
+                layer.allocate_positions(R, self.layout.kv_heads, cap, position_ids.device)
+            self._init_rows(R)
+        elif need > first.capacity:
+            self._grow(max(2 * first.capacity, need))
+        if R != self.rows:
+            raise RuntimeError(f"forward of {R} rows on a cache of {self.rows}")
+        at = self._write_at = list(self.lengths)
+        self.lengths = [a + q for a in at]
+        w = max(self.lengths)
+        pos = position_ids[:, None, :].expand(-1, self.layout.kv_heads, -1)
+        valid = None if all(n == w for n in self.lengths) else self.valid_mask()[:, None, :]
+        self._layer_pos = []
+        for layer in self.layers:
+            self._write(layer.pbuf, pos, at)
+            for b in layer.extra.values():  # per-token state of a new token starts at zero
+                self._write(b, b.new_zeros(R, b.shape[1], q, *b.shape[3:]), at)
+            layer.set_width(w)
+            self._layer_pos.append(layer.positions if valid is None else layer.positions.masked_fill(~valid, PAD))
+        self.attention = [None] * len(self.layers)
+
+    def append(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """Write store `name`'s `x` `[S, h, q, d]` for this step; return all it holds `[S, h, w, d]`
+        (a row's entries past its length are padding: stale values at position `PAD`)."""
+        layer = self.layers[self.group_of_store[name]]
+        buf = layer.stores.get(name)
+        if buf is None:
+            S, h, _, d = x.shape
+            buf = layer.stores[name] = torch.zeros(S, h, layer.capacity, d, dtype=x.dtype, device=x.device)
+        self._write(buf, x, self._write_at)
+        return buf[:, :, :layer.positions.shape[-1]]
+
+    def read(self, name: str) -> torch.Tensor:
+        """Everything store `name` holds `[S, h, w, d]`."""
+        layer = self.layers[self.group_of_store[name]]
+        return layer.stores[name][:, :, :layer.positions.shape[-1]]
+
+    def layer_positions(self, layer: int) -> torch.Tensor:
+        """Absolute positions `[S, G, w]` of what `layer` attends to; padding at `PAD`."""
+        return self._layer_pos[self.group_of_layer[layer]]
+
+    def note_attention(self, layer: int, probs: torch.Tensor) -> None:
+        """`layer`'s attention probabilities `[S, X, r, q, w]` (X groups of r query heads), summed
+        over the query heads to the eviction heads `[S, G, q, w]` and over the group's layers, kept
+        for this step in `attention[group]` when `collect_attention` (attention-reading scorers)."""
+        if not self.collect_attention:
+            return
+        summed = probs.sum(2)
+        b, x, q, n = summed.shape
+        g = self.layout.kv_heads
+        summed = summed if x == g else summed.view(b, g, x // g, q, n).sum(2)
+        i = self.group_of_layer[layer]
+        self.attention[i] = summed if self.attention[i] is None else self.attention[i] + summed
+
+    def truncate(self, n: int) -> None:
+        """Forget every row's tokens after the first `n` (benchmarks rewind a step)."""
+        self.lengths = [min(x, n) for x in self.lengths]
+        for layer in self.layers:
+            layer.set_width(max(self.lengths, default=0))
+
     def attention_mask(self, q: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The additive 4-D mask `[S, 1, q, w]` of the next forward (after its `q` tokens are written)
-        that hides each row's padding; None when every row will have the same length (no padding)."""
+        that hides each row's padding; None when every row will have the same length (no padding)
+        and on a layout model (its modules mask padding by position)."""
         new = [n + q for n in self.lengths]
-        if all(n == new[0] for n in new):
+        if self.is_layout or all(n == new[0] for n in new):
             return None
         if q != 1:
             raise RuntimeError("padded rows are decoded one token at a time")
-        dev = self.layers[0].kbuf.device
+        dev = self.layers[0].pbuf.device
         w = max(new)
         valid = torch.arange(w, device=dev)[None, :] < torch.tensor(new, device=dev)[:, None]
         mask = torch.zeros(len(new), 1, 1, w, dtype=dtype, device=dev)
@@ -234,34 +390,38 @@ class RetentionCache(Cache):
     # -- reading ---------------------------------------------------------------------------------
     def valid_mask(self) -> torch.Tensor:
         """`[S, w]` bool: entry `j` of row `r` holds a stored token (`j < lengths[r]`)."""
-        dev = self.layers[0].kbuf.device
-        w = self.layers[0].keys.shape[2]
+        dev = self.layers[0].pbuf.device
+        w = max(self.lengths, default=0)
         return torch.arange(w, device=dev)[None, :] < torch.tensor(self.lengths, device=dev)[:, None]
 
     def written_slots(self) -> torch.Tensor:
         """`[S, q]` int64: the buffer index, in each row, of the `q` tokens the last forward wrote
         (read it after the forward and before any compaction)."""
-        dev = self.layers[0].kbuf.device
+        dev = self.layers[0].pbuf.device
         at = torch.tensor(self._write_at, dtype=torch.long, device=dev)
         q = self.lengths[0] - self._write_at[0] if self.lengths else 0
         return at[:, None] + torch.arange(q, device=dev)[None, :]
 
     def stored_lengths(self) -> list[int]:
-        """Stored tokens per layer of a single-row cache (every layer and KV head holds the same)."""
-        return [max(self.lengths, default=0)] * len(self.layers)
+        """Stored tokens per layer of a single-row cache (every layer and head holds the same)."""
+        return [max(self.lengths, default=0)] * (self.layout.layers if self.is_layout else len(self.layers))
+
+    def row_lengths(self) -> list[int]:
+        """Stored tokens of each row."""
+        return list(self.lengths)
 
     def allocated_bytes(self) -> int:
-        """Bytes of the key and value buffers (all rows, all layers)."""
+        """Bytes of the store buffers (all rows, all groups)."""
         return sum(layer.allocated_bytes() for layer in self.layers)
 
     def stored_bytes(self) -> int:
-        """Bytes of the keys and values actually stored (every row's length, all layers)."""
-        first = self.layers[0]
-        if first.kbuf is None:
+        """Bytes of the stored tokens' tensors (every row's length, every store; positions,
+        per-token scorer state and free buffer space excluded)."""
+        if self.layers[0].pbuf is None:
             return 0
-        per_token = sum(layer.kbuf[0, :, 0].numel() * layer.kbuf.element_size()
-                        + layer.vbuf[0, :, 0].numel() * layer.vbuf.element_size() for layer in self.layers)
-        return per_token * sum(self.lengths)
+        return sum(layer.token_bytes() for layer in self.layers) * sum(self.lengths)
+
+    nbytes = stored_bytes
 
     def view(self, next_position, sink: int = 0, recent: int = 0, rows: list[int] | None = None,
              prompt_length=None, protect_prompt: bool = False, slots=None) -> CacheView:
@@ -269,7 +429,7 @@ class RetentionCache(Cache):
         positions (`>= next_position - recent`) and, with `protect_prompt`, the prompt protected.
         next_position, prompt_length, slots: per row of the view (`[B]`) or one int for all."""
         rows = list(range(self.rows)) if rows is None else list(rows)
-        dev = self.layers[0].kbuf.device
+        dev = self.layers[0].pbuf.device
         n = max(self.lengths[r] for r in rows)
         whole = rows == list(range(self.rows))
         ridx = torch.tensor(rows, device=dev)
@@ -293,7 +453,7 @@ class RetentionCache(Cache):
             b = b[:, :, :n]
             return b if whole else b.index_select(0, ridx)
 
-        keys, values, positions, protected, valid, extra = [], [], [], [], [], []
+        stores, positions, protected, valid, extra = [], [], [], [], []
         for layer in self.layers:
             p = take(layer.pbuf)
             ok = valid_1[:, None, :].expand_as(p)
@@ -301,22 +461,27 @@ class RetentionCache(Cache):
             prot = (p < sink) | (p >= t[:, None, None] - recent)
             if protect_prompt:
                 prot = prot | (p < plen[:, None, None])
-            keys.append(take(layer.kbuf))
-            values.append(take(layer.vbuf))
+            stores.append({k: take(v) for k, v in layer.stores.items()})
             positions.append(p)
             protected.append(prot & ok)
             valid.append(ok)
             extra.append({k: take(v) for k, v in layer.extra.items()})
-        return CacheView(keys, values, positions, protected, t, valid, plen, slots, extra)
+        keys = [] if self.is_layout else [s["k"] for s in stores]
+        values = [] if self.is_layout else [s["v"] for s in stores]
+        return CacheView(keys, values, positions, protected, t, valid, plen, slots, extra, stores=stores,
+                         groups=list(self.groups), layout=self.layout)
 
     # -- evicting and moving rows ----------------------------------------------------------------
     def compact_rows(self, rows: list[int], keep: torch.Tensor) -> None:
         """Keep only the stored tokens at `keep` of each of `rows` (indices into the row's buffer):
-        `[B, G, k]` shared by all layers or `[L, B, G, k]` per layer, sorted ascending so that tokens
-        stay in position order. The kept tokens are gathered to the front of each row's own buffer."""
+        `[B, G, k]` shared by all groups or `[L, B, G, k]` per group (layer), sorted ascending so
+        that tokens stay in position order. Every store, the positions and the per-token state of a
+        group are gathered together to the front of each row's own buffer. A store with more heads
+        than the eviction unit (QK-norm MLA's per-group inverse RMS under a one-head latent) keeps
+        the unit's tokens in every head."""
         rows = list(rows)
         k = keep.shape[-1]
-        dev = self.layers[0].kbuf.device
+        dev = self.layers[0].pbuf.device
         whole = rows == list(range(self.rows))
         ridx = torch.tensor(rows, device=dev)
         n = max(self.lengths[r] for r in rows)
@@ -325,7 +490,8 @@ class RetentionCache(Cache):
             new = {}
             for name, b in layer.buffers().items():
                 src = b[:, :, :n] if whole else b.index_select(0, ridx)[:, :, :n]
-                idx = kp.reshape(*kp.shape, *([1] * (b.dim() - 3))).expand(*kp.shape, *b.shape[3:])
+                kb = kp if kp.shape[1] == b.shape[1] else kp.expand(-1, b.shape[1], -1)
+                idx = kb.reshape(*kb.shape, *([1] * (b.dim() - 3))).expand(*kb.shape, *b.shape[3:])
                 new[name] = torch.gather(src, 2, idx)
             for name, b in layer.buffers().items():
                 if whole:
@@ -343,8 +509,8 @@ class RetentionCache(Cache):
         self.compact_rows(list(range(self.rows)), keep)
 
     def add_extra(self, layer_idx: int, name: str, tail: tuple = (), dtype=torch.float32) -> torch.Tensor:
-        """Register (once) per-token state `[S, G, cap, *tail]` (zeros) that follows every compaction,
-        row move and growth exactly like the keys; returns the buffer."""
+        """Register (once) per-token state `[S, G, cap, *tail]` (zeros) of group (layer) `layer_idx`
+        that follows every compaction, row move, refill and growth exactly like the stores."""
         layer = self.layers[layer_idx]
         if name not in layer.extra:
             S, G, cap = layer.pbuf.shape
@@ -358,12 +524,16 @@ class RetentionCache(Cache):
         if n > self.layers[0].capacity:
             self._grow(max(2 * self.layers[0].capacity, n))
         for dst_l, src_l in zip(self.layers, src.layers):
+            S, G, cap = dst_l.pbuf.shape
             for name, b in src_l.extra.items():
                 if name not in dst_l.extra:
-                    S, G, cap = dst_l.pbuf.shape
                     dst_l.extra[name] = torch.zeros(S, G, cap, *b.shape[3:], dtype=b.dtype, device=b.device)
+            for name, b in src_l.stores.items():
+                if name not in dst_l.stores:
+                    dst_l.stores[name] = torch.zeros(S, b.shape[1], cap, *b.shape[3:], dtype=b.dtype, device=b.device)
+            src_bufs = src_l.buffers()
             for name, b in dst_l.buffers().items():
-                sb = src_l.buffers().get(name)
+                sb = src_bufs.get(name)
                 if sb is None:
                     b[row].zero_()
                 else:
@@ -376,7 +546,7 @@ class RetentionCache(Cache):
 
     def select_rows(self, rows: list[int]) -> None:
         """Keep only `rows`, in this order (drops finished slots when no sequence is left to start)."""
-        dev = self.layers[0].kbuf.device
+        dev = self.layers[0].pbuf.device
         ridx = torch.tensor(rows, device=dev)
         for layer in self.layers:
             layer.set_buffers({k: b.index_select(0, ridx) for k, b in layer.buffers().items()})
@@ -389,10 +559,14 @@ class RetentionCache(Cache):
 
     @classmethod
     def empty_like(cls, other: RetentionCache, rows: int, capacity: int) -> RetentionCache:
-        """A cache of `rows` empty rows with `other`'s geometry, `capacity` tokens preallocated."""
-        c = cls(len(other.layers), capacity)
+        """A cache of `rows` empty rows with `other`'s geometry (layout, stores), `capacity` tokens
+        preallocated."""
+        c = cls.for_layout(other.layout, capacity) if other.is_layout else cls(len(other.layers), capacity)
+        c.collect_attention = other.collect_attention
         for layer, ol in zip(c.layers, other.layers):
-            layer.allocate(rows, ol.kbuf.shape[1], capacity, ol.kbuf.shape[-1], ol.vbuf.shape[-1], ol.kbuf.dtype,
-                           ol.kbuf.device)
+            layer.allocate_positions(rows, ol.pbuf.shape[1], capacity, ol.pbuf.device)
+            layer.stores = {name: torch.zeros(rows, b.shape[1], capacity, *b.shape[3:], dtype=b.dtype, device=b.device)
+                            for name, b in ol.stores.items()}
+            layer.set_width(0)
         c.lengths, c.slots, c.prompt_lengths = [0] * rows, list(range(rows)), [0] * rows
         return c

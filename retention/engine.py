@@ -1,4 +1,6 @@
-"""The batched, continuously refilled decoding engine.
+"""The batched, continuously refilled decoding engine of every model: transformers models and the
+reference layout models (`retention.arch`, DeepSeek checkpoints on the reference MLA) alike; the
+model adapter (`retention.adapter`) is all that differs (the step forward, the cache, what it provides).
 
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
 rows. A queue of requests (one per (problem, sample)) feeds the slots: a request's prompt is prefilled
@@ -24,13 +26,14 @@ decode step (a compaction step reads a few small tensors).
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from retention.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVIDES, ModelAdapter, cache_kwarg,  # noqa: F401
+                               forward_step, provides)
 from retention.cache import RetentionCache
 from retention.meter import BudgetMeter
 from retention.policy import RetentionPolicy
@@ -122,8 +125,7 @@ class EngineStats:
 
 @dataclass
 class SequenceState:
-    """One sequence in flight: its request, meter, sampler, fidelity record, tokens and timings
-    (also the row state of `retention.arch.generate`)."""
+    """One sequence in flight: its request, meter, sampler, fidelity record, tokens and timings."""
 
     req: Request
     meter: BudgetMeter
@@ -168,23 +170,6 @@ def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
-
-
-def cache_kwarg(model) -> str:
-    """transformers is renaming the forward's cache argument (`past_key_values` -> `cache`)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def forward_step(model, input_ids: torch.Tensor, positions: torch.Tensor, cache, cache_kw: str,
-                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """One forward of `[R, q]` tokens at explicit absolute positions; returns the last logits `[R, V]`."""
-    if isinstance(cache, RetentionCache):
-        cache.set_step_positions(positions)
-    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
-    out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache},
-                **kw)
-    return out.logits[:, -1]
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
@@ -233,10 +218,8 @@ class Engine:
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.cache_kw = cache_kwarg(model)
+        self.adapter = ModelAdapter(model)
         self.clock = _Clock(self.device)
-        self.L = model.config.get_text_config().num_hidden_layers
         self.queue = list(requests)[::-1]  # pop() from the end = first request first
         self.S = max(1, min(batch_size, len(self.queue)))
         self.stats = EngineStats(busy=self.S)
@@ -262,17 +245,17 @@ class Engine:
             self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
         st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget), self.gens[slot],
                    Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None)
-        tmp = RetentionCache(self.L, capacity=P)
+        tmp = self.adapter.new_cache(P, policy.scorer)
         tmp.slots, tmp.prompt_lengths = [slot], [P]
         ids = torch.tensor([req.prompt_ids], device=dev)
         pos = torch.arange(P, device=dev)[None]
-        lg = forward_step(self.model, ids, pos, tmp, self.cache_kw)
+        lg = self.adapter.forward(ids, pos, tmp)
         st.meter.record_prefill(tmp.stored_lengths())
         tmp_ref = None
         if self.fidelity:
-            tmp_ref = RetentionCache(self.L, capacity=P + sampling.max_new_tokens)
+            tmp_ref = self.adapter.new_cache(P + sampling.max_new_tokens)
             tmp_ref.slots, tmp_ref.prompt_lengths = [slot], [P]
-            st.fid.add(forward_step(self.model, ids, pos, tmp_ref, self.cache_kw)[0], lg[0])
+            st.fid.add(self.adapter.forward(ids, pos, tmp_ref)[0], lg[0])
         t_c = _now(dev)
         self.stats.prefill_seconds += t_c - t0
         if policy.after_forward(tmp, P, st.meter, prefill=True):
@@ -326,6 +309,7 @@ class Engine:
         if self.fidelity:
             longest = max(len(st.req.prompt_ids) for st, _, _ in started)
             self.ref = RetentionCache.empty_like(started[0][2], len(started), longest + new)
+            self.ref.collect_attention = False
         for r, (st, tmp, tmp_ref) in enumerate(started):
             self.cache.load_row(r, tmp)
             if self.ref is not None:
@@ -343,13 +327,13 @@ class Engine:
         pos = torch.tensor([[len(st.req.prompt_ids) + len(st.out) - 1] for st in rows], device=dev)
         clock = self.clock
         t_step = clock.mark()
-        logits = forward_step(self.model, ids, pos, cache, self.cache_kw, cache.attention_mask(1, self.dtype))
+        logits = self.adapter.forward(ids, pos, cache, padded=True)
         t_fwd = clock.mark()
         stats.steps += 1
         for r, st in enumerate(rows):
             st.meter.record([cache.lengths[r]])
         if ref is not None:
-            ref_logits = forward_step(self.model, ids, pos, ref, self.cache_kw, ref.attention_mask(1, self.dtype))
+            ref_logits = self.adapter.forward(ids, pos, ref, padded=True)
             kl, agree = step_agreement(ref_logits, logits)
             for r, st in enumerate(rows):
                 st.fid.kl.append(kl[r])

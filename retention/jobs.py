@@ -38,8 +38,8 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
     shard: a `retention.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
-    project's), "reference" (a DeepSeek-V2/V3 checkpoint on `retention.arch.deepseek`) or an external
-    engine of `retention.engines` (non-evicting arms only).
+    project's `retention.engine`: a DeepSeek-V2/V3 checkpoint always decodes there on the reference
+    MLA, `retention.arch.deepseek`) or an external engine of `retention.engines` (non-evicting arms only).
     batch_size: sequences decoded together; None chooses one for the device and budget (printed).
     It is not part of the configuration hash: records do not depend on it (batch invariance), so a
     run resumes at any batch size; each record notes the batch size it was decoded in.
@@ -56,7 +56,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         if limit:
             problems = problems[:limit]
     explores = split == "dev" and dataset != "math500"  # an AIME set has no dev split: this explores it
-    if engine not in ("hf", "reference"):
+    if engine != "hf":
         from retention.engines.run import execute_with_engine
 
         if explores:
@@ -64,11 +64,9 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
                                    sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
                                    extra_config=extra_config, shard=shard)
-    loaded = load_model(model, dtype=dtype, device=device)
-    if engine == "reference":
-        from retention.arch.deepseek import on_reference_engine
+    from retention.arch.deepseek import on_reference_mla
 
-        loaded = on_reference_engine(loaded)
+    loaded = on_reference_mla(load_model(model, dtype=dtype, device=device))
     arms = []
     for name, config, params, cadence in arm_specs:
         prompt = {} if loaded.prompt == "chat" else {"prompt": loaded.prompt}

@@ -75,6 +75,14 @@ class CacheLayout:
         return self.family in ("mla", "path-mla")
 
     @property
+    def provides(self) -> frozenset[str]:
+        """What the stores hold for scorers (`retention.scorers.READS`): per-head keys and values
+        (`kv`), an MLA latent (`mla`, `path-mla`), neither for stores shared across layers."""
+        if self.family == "kv":
+            return frozenset({"positions", "keys", "values"})
+        return frozenset({"positions", "latent"} if self.is_latent else {"positions"})
+
+    @property
     def elements_per_token(self) -> int:
         """Cached elements per token, whole model (K and V, latents, RoPE keys, scalars)."""
         return sum(s.elements for s in self.stores)

@@ -348,8 +348,6 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     """
     from tqdm import tqdm
 
-    from retention.arch.generate import run_arch
-    from retention.arch.model import is_arch_model
     from retention.engine import Request, SamplingConfig, run_engine
     from retention.models import format_prompt
     from retention.policy import RetentionPolicy
@@ -395,10 +393,6 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                                         refresh=False)
                     bar.refresh()
 
-            if is_arch_model(loaded.model):  # the reference modules: their own cache and batched loop
-                run_arch(loaded.model, reqs, arm.scorer, arm.scorer_params, arm.cadence, cfg, eos, kib,
-                         batch_size=batch_size, fidelity=fidelity, on_finish=on_finish)
-                continue
             policy = RetentionPolicy(make_scorer(arm.scorer, **arm.scorer_params), arm.cadence)
             try:
                 run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,

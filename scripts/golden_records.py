@@ -20,9 +20,9 @@ How: each run goes through what `retention run` calls, `retention.arms.validate_
 run directory. Two things are not reachable from the command line and are done here:
 * float64: `--dtype` offers float32/bfloat16/float16; `retention.dtypes.DTYPES` is extended with
   float64 while recording (nothing else changes; the model builders accept any dtype).
-* kept sets: no record holds them. A hook wraps the cache compactions (`RetentionCache.compact_rows`
-  of the transformers path, `retention.arch.retention.compact` of the layout models) and, after each,
-  reads the compacted rows' absolute positions. A kept set is stored canonically, independent of how
+* kept sets: no record holds them. A hook wraps the cache compactions (`RetentionCache.compact_rows`,
+  the one cache of transformers and layout models; before issue 20 also `retention.arch.retention.compact`
+  of the layout models' own cache) and, after each, reads the compacted rows' absolute positions. A kept set is stored canonically, independent of how
   a runtime groups its stores: per layer (a sharing group's set repeated for each layer that reads
   it), per eviction head, sorted positions; each (compaction, row) event is stored as the kept count
   and a sha256 digest of that canonical form. After the refactor only `_compaction_hooks` needs to
@@ -85,35 +85,23 @@ def _event(per_layer: list[list[list[int]]]) -> list:
 @contextlib.contextmanager
 def _compaction_hooks(events: list):
     """Append `[kept count, digest]` to `events` for every row every compaction leaves compacted."""
-    from retention.arch import retention as arch_retention
-    from retention.arch.cache import PAD
     from retention.cache import RetentionCache
 
     plain_compact_rows = RetentionCache.compact_rows
-    arch_compact = arch_retention.compact
 
     def compact_rows(self, rows, keep):
         plain_compact_rows(self, rows, keep)
         for r in rows:
             n = self.lengths[r]
-            events.append(_event([sorted_rows(layer.positions[r, :, :n]) for layer in self.layers]))
-
-    def compact(cache, scorer, cadence, rows, next_positions, prompt_lengths):
-        arch_compact(cache, scorer, cadence, rows, next_positions, prompt_lengths)
-        for r in rows:
-            groups = []
-            for pos in cache.positions:  # [B, G, n] per sharing group; padding at PAD
-                heads = pos[r]
-                groups.append([sorted(int(p) for p in h if int(p) != PAD) for h in heads])
-            events.append(_event([groups[cache.group_of_layer[i]] for i in range(cache.layout.layers)]))
+            # One kept set per eviction group (a layer on the K/V layout), repeated for each layer it serves.
+            groups = [sorted_rows(layer.positions[r, :, :n]) for layer in self.layers]
+            events.append(_event([groups[self.group_of_layer[i]] for i in range(len(self.group_of_layer))]))
 
     RetentionCache.compact_rows = compact_rows
-    arch_retention.compact = compact
     try:
         yield
     finally:
         RetentionCache.compact_rows = plain_compact_rows
-        arch_retention.compact = arch_compact
 
 
 def sorted_rows(positions) -> list[list[int]]:

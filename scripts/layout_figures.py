@@ -14,7 +14,7 @@ import torch
 from retention.arch.bench import DEFAULT_STEPS, STUDY_BATCH, STUDY_CONTEXTS, step_times
 from retention.arch.configs import TINY
 from retention.arch.model import build_arch
-from retention.arch.retention import decode
+from retention.generate import decode
 
 
 def measured_bytes(tokens: int = 24) -> None:

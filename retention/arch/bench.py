@@ -64,7 +64,7 @@ def parse_layouts(text: str, valid: dict[str, Variant] = VARIANTS) -> list[str]:
 
 
 def prefilled_cache(model: ArchLM, context: int, batch: int, device):
-    """A `LayoutCache` holding `context` tokens per sequence of random stored tensors `[B, h, n, d]`
+    """A layout cache holding `context` tokens per sequence of random stored tensors `[B, h, n, d]`
     of the layout's exact stores, positions `0..n-1` per sharing group `[B, G, n]`.
 
     The weights are random, so prefilling real tokens would produce equally meaningless stored
@@ -72,8 +72,7 @@ def prefilled_cache(model: ArchLM, context: int, batch: int, device):
     depends on the shapes it reads, not on the values."""
     cache = model.new_cache(capacity=context + 1)  # room for the decode step's token: written in place
     dtype = model.dtype
-    g = cache.layout.kv_heads
-    cache.positions = [torch.arange(context, device=device).expand(batch, g, -1) for _ in cache.groups]
+    cache.begin_step(torch.arange(context, device=device).expand(batch, -1))
     for s in cache.layout.stores:
         cache.append(s.name, torch.randn(batch, s.heads, context, s.dim, device=device, dtype=dtype))
     return cache
@@ -81,7 +80,7 @@ def prefilled_cache(model: ArchLM, context: int, batch: int, device):
 
 def decode_step(model: ArchLM, cache, batch: int) -> torch.Tensor:
     """One decode forward of token 0 at position `n` for every sequence -> logits `[B, 1, V]`."""
-    n = int(cache.positions[0].shape[-1])
+    n = max(cache.lengths)
     device = model.device
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
     pos = torch.full((batch, 1), n, dtype=torch.long, device=device)
@@ -98,7 +97,7 @@ def time_point(model: ArchLM, context: int, batch: int, steps: int, warmup: int 
     """Median of `steps` timed decode steps at `context` after `warmup` untimed ones.
 
     Every step starts from the same pre-filled context (its append would otherwise grow it by one
-    per step): `LayoutCache.truncate` rewinds the step's token, which the next step overwrites in
+    per step): `RetentionCache.truncate` rewinds the step's token, which the next step overwrites in
     the preallocated buffers. Bytes are measured from the pre-filled tensors (`nbytes`)."""
     device = model.device
     cache = prefilled_cache(model, context, batch, device)

@@ -1,11 +1,11 @@
-"""DeepSeek-V2/V3 checkpoints on the reference MLA (`retention run --engine reference`).
+"""DeepSeek-V2/V3 checkpoints on the reference MLA: how `retention run` always decodes them.
 
 transformers' own modules compute everything but attention: embeddings, norms, dense and MoE
 MLPs, the rotary embedding (YaRN included) and the LM head. Attention is `MLAttention`, absorbed,
-over the same weight tensors (shared, not copied), reading a `LayoutCache` of the latent and the
-RoPE key, with the checkpoint's softmax scale. So the latent-cache scorers of
-`retention.arch.retention` (`h2o`, `snapkv`: the absorbed queries' attention against the latent)
-run on a real MLA checkpoint, and at full cache its logits equal transformers' (tests).
+over the same weight tensors (shared, not copied), reading the layout cache (`RetentionCache.for_layout`) of the latent and the
+RoPE key, with the checkpoint's softmax scale. So the scorers that read the attention a layout
+model reports (`h2o`, `snapkv`: the absorbed queries' attention against the latent) run on a real
+MLA checkpoint through `retention.engine`, and at full cache its logits equal transformers' (tests).
 
 Shapes: batch `B`, heads `h`, new tokens `q`, RoPE dims `d`.
 """
@@ -55,7 +55,7 @@ class DeepseekReference(LayoutLM):
         super().__init__()
         model_type = getattr(hf_model.config, "model_type", None)
         if model_type not in SUPPORTED:
-            raise RetentionError(f"--engine reference runs DeepSeek-V2/V3 (MLA) checkpoints, not {model_type!r}")
+            raise RetentionError(f"the reference MLA runs DeepSeek-V2/V3 checkpoints, not {model_type!r}")
         self.hf = hf_model
         self.config = _arch_config(hf_model.config)
         rotate = _rotation(hf_model)
@@ -90,7 +90,10 @@ class DeepseekReference(LayoutLM):
         return ArchOutput(self.hf.lm_head(x))
 
 
-def on_reference_engine(loaded):
-    """`loaded` (a `retention.models.LoadedModel` of a DeepSeek-V2/V3 checkpoint) with its model
-    decoded on the reference MLA; the cache layout is unchanged (the latent and the RoPE key)."""
+def on_reference_mla(loaded):
+    """`loaded` (a `retention.models.LoadedModel`) with a DeepSeek-V2/V3 checkpoint's model decoded
+    on the reference MLA (the cache layout is unchanged: the latent and the RoPE key); any other
+    model as it is."""
+    if getattr(getattr(loaded.model, "config", None), "model_type", None) not in SUPPORTED:
+        return loaded
     return replace(loaded, model=DeepseekReference(loaded.model).eval())

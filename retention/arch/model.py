@@ -1,5 +1,5 @@
 """`ArchLM`: a causal LM of pre-RMSNorm blocks (attention of one layout family + SwiGLU), untied
-embeddings, decoding through a `LayoutCache` with explicit absolute positions; and the parameter
+embeddings, decoding through the layout cache (`RetentionCache.for_layout`) with explicit absolute positions; and the parameter
 counts of the documented configurations (`count_parameters`, `documented_parameters`), which need
 the model and so live here, not in `retention.arch.configs` (that module imports nothing from this one)."""
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from retention.arch.cache import LayoutCache
 from retention.arch.configs import DOCUMENTED_CONFIGS, DOCUMENTED_PARAMETERS, PARAMETER_NOTES, TINY, ArchConfig
 from retention.arch.modules import ATTENTION, RMSNorm
+from retention.cache import RetentionCache
 
 
 class SwiGLU(nn.Module):
@@ -53,10 +53,12 @@ class ArchOutput:
 
 
 class LayoutLM(nn.Module):
-    """What `retention.arch.generate` decodes: `forward(input_ids, position_ids, cache,
-    logits_to_keep)` on a `LayoutCache` of `config.cache_layout()`."""
+    """A reference layout model as `retention.engine` decodes it: `forward(input_ids, position_ids,
+    cache, logits_to_keep)` on a `RetentionCache.for_layout(cache_layout())`; its modules report
+    their attention probabilities through the cache (`reports_attention`)."""
 
     config: ArchConfig
+    reports_attention = True
 
     @property
     def device(self) -> torch.device:
@@ -66,9 +68,13 @@ class LayoutLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
 
-    def new_cache(self, capacity: int = 0) -> LayoutCache:
+    def cache_layout(self):
+        """The `CacheLayout` this model stores, in its dtype."""
+        return self.config.cache_layout().with_dtype(self.dtype)
+
+    def new_cache(self, capacity: int = 0) -> RetentionCache:
         """An empty cache of this model's layout; `capacity` tokens preallocated per store."""
-        return LayoutCache(self.config.cache_layout().with_dtype(self.dtype), capacity)
+        return RetentionCache.for_layout(self.cache_layout(), capacity or None)
 
 
 class ArchLM(LayoutLM):
@@ -88,7 +94,7 @@ class ArchLM(LayoutLM):
             if hasattr(block.self_attn, "absorb"):
                 block.self_attn.absorb = absorb
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: LayoutCache,
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: RetentionCache,
                 logits_to_keep: int = 0) -> ArchOutput:
         """input_ids, position_ids `[B, q]` (absolute positions) -> logits `[B, q or logits_to_keep, V]`."""
         cache.begin_step(position_ids)
@@ -102,7 +108,7 @@ class ArchLM(LayoutLM):
 
 
 def is_arch_model(model) -> bool:
-    """Whether `model` decodes on the reference modules (`retention.arch.generate`)."""
+    """Whether `model` decodes on the reference modules (a layout cache)."""
     return isinstance(model, LayoutLM)
 
 

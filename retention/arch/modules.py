@@ -1,4 +1,5 @@
-"""RMSNorm, RoPE and the attention of each layout family, reading and writing a `LayoutCache`.
+"""RMSNorm, RoPE and the attention of each layout family, reading and writing the layout cache
+(`retention.cache.RetentionCache.for_layout`: `append`/`read` a store, `layer_positions`, `note_attention`).
 
 Shapes: batch `B`, query heads `H`, eviction heads `G` (KV heads; 1 for a latent), new tokens `q`,
 stored tokens `n`. Every module takes `x` `[B, q, hidden]`, absolute positions `pos` `[B, q]`, the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from retention.arch.cache import LayoutCache
+from retention.cache import RetentionCache
 
 
 class RMSNorm(nn.Module):
@@ -56,7 +57,7 @@ def causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     return k_pos[:, :, None, None, :] <= q_pos[:, None, None, :, None]
 
 
-def attend(q, k, v, q_pos, k_pos, scale: float, cache: LayoutCache, layer: int) -> torch.Tensor:
+def attend(q, k, v, q_pos, k_pos, scale: float, cache: RetentionCache, layer: int) -> torch.Tensor:
     """Grouped attention: q `[B, H, q, dk]`, k `[B, G, n, dk]`, v `[B, G, n, dv]` -> `[B, H, q, dv]`."""
     b, h, nq, _ = q.shape
     g = k.shape[1]
@@ -101,7 +102,7 @@ class KVAttention(nn.Module):
             self.v_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.head_dim)
         self.o_proj = _linear(cfg.q_heads * cfg.head_dim, cfg.hidden)
 
-    def forward(self, x, pos, cache: LayoutCache):
+    def forward(self, x, pos, cache: RetentionCache):
         c = self.cfg
         q = rope(_heads(self.q_proj(x), c.q_heads), pos, c.rope_theta)
         if self.writes:
@@ -130,7 +131,7 @@ class PathConcatAttention(nn.Module):
         self.delta_v_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.layer_dim)
         self.o_proj = _linear(cfg.q_heads * width, cfg.hidden)
 
-    def forward(self, x, pos, cache: LayoutCache):
+    def forward(self, x, pos, cache: RetentionCache):
         c, g = self.cfg, self.cfg.kv_heads
         width = c.shared_dim + c.layer_dim
         alpha, delta = f"P{self.path}.alpha", f"L{self.layer}.delta"
@@ -172,7 +173,7 @@ class PathResidualAttention(nn.Module):
             self.v_expand = nn.Parameter(torch.empty(g, dd, d))
         self.o_proj = _linear(cfg.q_heads * d, cfg.hidden)
 
-    def forward(self, x, pos, cache: LayoutCache):
+    def forward(self, x, pos, cache: RetentionCache):
         c, g = self.cfg, self.cfg.kv_heads
         k_pos = cache.layer_positions(self.layer)
         if self.first:
@@ -220,7 +221,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.latent_dim, h * (cfg.nope_dim + cfg.v_dim))
         self.o_proj = _linear(h * cfg.v_dim, cfg.hidden)
 
-    def write_latent(self, x, pos, cache: LayoutCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def write_latent(self, x, pos, cache: RetentionCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's latent and RoPE key; return all stored: `[B, 1, n, latent]`, `[B, 1, n, rope]`."""
         c = self.cfg
         latent, k_rope = self.kv_a_proj_with_mqa(x)[:, None].split([c.latent_dim, c.rope_dim], -1)
@@ -243,7 +244,7 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(c.q_heads, c.nope_dim + c.v_dim, c.latent_dim)
         return w[:, : c.nope_dim], w[:, c.nope_dim :]
 
-    def forward(self, x, pos, cache: LayoutCache):
+    def forward(self, x, pos, cache: RetentionCache):
         c = self.cfg
         ckv, kr = self.write_latent(x, pos, cache)
         q_nope, q_rope = self.query(x, pos)
@@ -289,7 +290,7 @@ class QKNormMLAttention(MLAttention):
         self.k_norm, self.k_rope_norm = RMSNorm(cfg.nope_dim, cfg.norm_eps), RMSNorm(cfg.rope_dim, cfg.norm_eps)
         self.o_proj = _linear(h * cfg.v_dim, cfg.hidden)
 
-    def forward(self, x, pos, cache: LayoutCache):
+    def forward(self, x, pos, cache: RetentionCache):
         c, h, g = self.cfg, self.cfg.q_heads, self.cfg.kv_heads
         latent, k_rope = self.kv_a_proj_with_mqa(x)[:, None].split([c.latent_dim, c.rope_dim], -1)
         latent = self.kv_a_layernorm(latent)
@@ -340,7 +341,7 @@ class PathMLAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.latent_dim, h * (cfg.nope_dim + cfg.v_dim))
         self.o_proj = _linear(h * (cfg.v_dim + cfg.layer_dim), cfg.hidden)
 
-    def forward(self, x, pos, cache: LayoutCache):
+    def forward(self, x, pos, cache: RetentionCache):
         c, h = self.cfg, self.cfg.q_heads
         if self.writes_latent:
             cache.append(f"P{self.path}.c_kv", self.kv_a_layernorm(self.kv_a_proj(x))[:, None])

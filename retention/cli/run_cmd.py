@@ -112,9 +112,8 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--retries", type=int, default=None, callback=_bounded("--retries", 0, 100),
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records) [default: 3].")
 @click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True,
-              help="hf: this project's batched engine (every scorer); reference: a DeepSeek-V2/V3 checkpoint on the "
-                   "reference MLA modules (latent-cache h2o and snapkv too); vllm: vLLM's offline API for "
-                   "non-evicting arms (full).")
+              help="hf: this project's batched engine (every model and scorer; a DeepSeek-V2/V3 checkpoint "
+                   "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, routing, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
                 seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
@@ -153,8 +152,6 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         base["budget_kib"] = budget_kib
     if dataset != "math500":  # absent means math500: earlier configurations keep their hash
         base["dataset"] = dataset
-    if engine == "reference":  # its own numerics: its runs never share a configuration with hf's
-        base["engine"] = engine
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
     # model or touching the output folder.
     arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options[name].items()

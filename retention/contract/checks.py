@@ -67,10 +67,12 @@ def _stats_for(params: dict, spec: str, model, tmp: Path) -> dict:
 
 class _Kit:
     def __init__(self, spec: str, params: dict, tmp: Path):
-        from retention.models import load_model
+        from retention.arms import check_scorer_reads
+        from retention.models import load_model, resolve_model
         from retention.scorers import make_scorer
 
         self.spec, self.tmp = spec, tmp
+        check_scorer_reads(spec, resolve_model("tiny-random"), "float32")  # what `run` checks, first
         self.loaded = load_model("tiny-random")
         self.params = _stats_for(params, spec, self.loaded.model, tmp)
         self.make = lambda: make_scorer(spec, **self.params)  # noqa: E731

@@ -27,7 +27,14 @@ READS = {
 }
 
 _REGISTRY: dict[str, type[Scorer]] = {}
-_MODULES = ("full", "random", "streaming", "triattention", "alpha", "snapkv", "rkv", "h2o")
+# In the order refusals list the scorers a model can run.
+_MODULES = ("full", "random", "streaming", "h2o", "snapkv", "rkv", "triattention", "alpha")
+# What built-ins whose modules do not declare `reads` read (their modules may declare it instead).
+# (alpha first: it subclasses triattention and must not inherit triattention's default.)
+_DEFAULT_READS = {
+    "alpha": (frozenset({"keys", "values", "calibration"}),),
+    "triattention": (frozenset({"keys", "calibration"}),),
+}
 _loaded = False
 
 
@@ -47,6 +54,9 @@ def _load_all() -> None:
     if not _loaded:
         for mod in _MODULES:
             importlib.import_module(f"retention.scorers.{mod}")
+        for name, reads in _DEFAULT_READS.items():
+            if _REGISTRY[name].reads is Scorer.reads:
+                _REGISTRY[name].reads = reads
         _loaded = True
 
 
@@ -93,6 +103,27 @@ def scorer_identity(name: str) -> dict | None:
     return plugin_identity(name)
 
 
+# Kinds a per-head scorer reads that a reference layout model's view does not expose.
+_PER_HEAD = frozenset({"keys", "values", "queries", "calibration"})
+
+
+def reads_refusal(name: str, reads, provides: frozenset[str], cache_name: str, reference: bool) -> str | None:
+    """The one line that refuses scorer `name` (reading one of the alternatives `reads`) on a
+    model that provides `provides` (its cache named `cache_name`; `reference`: a reference layout
+    model), or None when one alternative is provided. It lists the built-ins that would run."""
+    if any(alt <= provides for alt in reads):
+        return None
+    _load_all()
+    usable = [n for n in _MODULES if any(alt <= provides for alt in _REGISTRY[n].reads)]
+    if reference and all(alt & _PER_HEAD for alt in reads):
+        what = "it scores per-head post-RoPE keys, which a latent or shared-storage cache does not store"
+    else:
+        alt = min(reads, key=lambda a: (len(a - provides), sorted(a)))
+        what = (f"it reads {', '.join(sorted(alt))}, and {', '.join(sorted(alt - provides))} is not provided "
+                f"(the model provides {', '.join(sorted(provides))})")
+    return f"{name} cannot score the {cache_name} cache: {what}; use {', '.join(usable)}"
+
+
 def make_scorer(name: str, **params) -> Scorer:
     """Instantiate scorer `name` with the parameters its dataclass declares; others are ignored
     (the CLI passes --lambda, --window, ... to every scorer; those that do not use them ignore them)."""
@@ -109,5 +140,5 @@ def make_scorer(name: str, **params) -> Scorer:
         raise RetentionError(f"scorer plugin {name!r} failed to construct: {type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["READS", "CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer",
+__all__ = ["READS", "reads_refusal", "CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer",
            "scorer_identity", "is_builtin", "topk_keep"]

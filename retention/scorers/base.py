@@ -4,8 +4,11 @@ shared top-k selector. Everything here is exported from `retention.scorers`.
 Shapes: `L` layers, `B` rows of a view (sequences due for compaction now), `G` KV heads, `n` cached
 tokens per row (padded to the longest row of the view), `d` head dimension, `k` tokens to keep.
 
-What a scorer sees at a compaction, `CacheView` (`retention.cache`):
-    keys, values   `L` tensors `[B, G, n, d]` (keys after RoPE), in the model's dtype
+What a scorer sees at a compaction, `CacheView` (`retention.cache`); `L` counts eviction groups
+(layers on the per-layer K/V layout of a transformers model; the sharing groups of a layout model):
+    keys, values   `L` tensors `[B, G, n, d]` (keys after RoPE), in the model's dtype; only on the
+                   per-layer K/V layout (empty lists on a layout model: read `stores`)
+    stores         per group, store name -> `[B, h, n, d]`; groups: the layers of each group
     positions      `L` tensors `[B, G, n]` int64 absolute positions, -1 on padding
     protected      `L` tensors `[B, G, n]` bool: sinks, the recent window (and the prompt with
                    --protect-prompt); the selector must keep them
@@ -29,7 +32,7 @@ Optional hooks, for scorers that need more than the cache:
     compacted(keep, view)  after every compaction, with the kept indices of the rows of `view`
 Class attributes: `reads` (what the scorer reads, alternatives: `retention.scorers.READS` names the
 kinds; a run refuses a cache layout and model that do not provide one of them, saying what is
-missing), `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
+missing; `reading()` narrows them when a parameter fixes one), `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
 `per_layer`, `default_sink` / `default_recent` (protected tokens unless --sink / --recent say),
 `evicts` (False: never compacts), and `min_recent()` for a window the cadence must count inside b.
 
@@ -84,6 +87,10 @@ class Scorer:
     default_recent: ClassVar[int] = 0
     # False for `full`: the policy never compacts.
     evicts: ClassVar[bool] = True
+
+    def reading(self) -> tuple[frozenset[str], ...]:
+        """What this instance reads (`reads`, or fewer alternatives when a parameter fixes one)."""
+        return self.reads
 
     def attach(self, model) -> contextlib.AbstractContextManager:
         """Set-up for one run on `model` (load statistics, start recording queries)."""
@@ -152,4 +159,7 @@ class WindowScorer(Scorer):
                 self._recorder = None
 
     def attach(self, model):
+        """Record the model's queries; a layout model reports attention through its cache instead."""
+        if getattr(model, "reports_attention", False):
+            return contextlib.nullcontext(self)
         return self._attached(model)

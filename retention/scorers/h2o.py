@@ -10,6 +10,12 @@ group. The per-token accumulator `[B, G, n]` per layer grows with the cache and 
 compaction through `compacted(keep)`, so a token's score is the total attention mass it received
 while stored (a new token starts with the mass of its own queries, its self-attention included).
 
+On a reference layout model (`retention.arch`: MLA, CLA, cross-layer paths) the modules report the
+probabilities they computed through the cache (`RetentionCache.note_attention`: on a latent, the
+absorbed queries against the latent, which equal the materialised ones), summed over the eviction
+group's layers and query heads; `observe` adds them to the same per-token accumulator, per eviction
+group, in the model's dtype (`reads`: queries and keys, or the attention).
+
 Selection, as the reference (FMInference/H2O `H2OKVCache_LayerWise`) does it: the budget is split
 evenly, the `recent = b - b // 2` newest stored tokens are always kept and the `b // 2` heavy
 hitters are the top accumulated mass among all other stored tokens (the tokens just leaving the
@@ -90,6 +96,7 @@ class H2O(WindowScorer):
     exactly like the keys, and a new token's entry starts at zero."""
 
     EXTRA = "h2o_mass"
+    reads = (frozenset({"queries", "keys"}), frozenset({"attention"}))
     window: int | None = None
 
     def __post_init__(self):
@@ -102,6 +109,11 @@ class H2O(WindowScorer):
         return self.window or 0
 
     def observe(self, cache, next_position: list[int]) -> None:
+        if cache.collect_attention:  # a layout model: the mass its modules reported, per group
+            for g, mass in enumerate(cache.attention):  # [R, G, q, w]
+                acc = cache.add_extra(g, self.EXTRA, dtype=mass.dtype)
+                acc[:, :, :mass.shape[-1]] += mass.sum(2)
+            return
         valid = cache.valid_mask()  # [R, w]
         for i, call in enumerate(self._recorder.take(cache)):
             layer = cache.layers[i]

@@ -72,13 +72,23 @@ class RKV(SnapKV):
     """R-KV. Parameters: `lam` (importance weight, default 0.1), `window` (default 8), `kernel`
     (default 7), `threshold` (near-duplicate cosine, default 0.5)."""
 
+    reads = (frozenset({"queries", "keys"}),)
     lam: float = 0.1
     threshold: float = 0.5
 
     def __post_init__(self):
         super().__post_init__()
+        if self.rule not in (None, "head"):
+            raise RetentionError("rkv scores per-head keys: its SnapKV importance uses the head rule only")
         if not (0.0 <= self.lam <= 1.0):
             raise RetentionError(f"--lambda for rkv must lie in [0, 1], got {self.lam}")
+
+    def reading(self):
+        return self.reads
+
+    def attach(self, model):
+        self._rule = "head"
+        return self._attached(model)
 
     def score(self, view: CacheView) -> torch.Tensor:
         """`[L, B, G, n]`: `lam * I - (1 - lam) * R`, +inf on the window tokens, -inf on padding."""

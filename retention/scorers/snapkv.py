@@ -15,6 +15,17 @@ compaction, per layer and KV head:
    candidates alone (window slots and padding never win);
 5. top-`(b - w)` per (layer, KV head), plus the `w` window tokens (scored +inf: always kept).
 
+Two rules, the parameter `rule` (docs/scorers.md):
+
+* `head` (above; reads the queries and the per-head keys: transformers models): logits maxed over
+  each KV head's query heads, softmax over the candidates.
+* `group` (reads the attention a layout model's modules report: MLA latents, CLA and path groups):
+  the probabilities each stored token received from the last `w` forwards, normalised over every
+  stored token as the model attended, summed over the eviction group's layers and query heads,
+  averaged over the recorded forwards (at most `w`), max-pooled among the candidates as in step 4.
+  The window is per-token state of the cache (`[S, G, cap, w]`), so it follows every compaction.
+
+The default (`rule` unset) is what the model provides: `group` on a layout model, `head` otherwise.
 Reference defaults: `w = 8`, kernel 7, interval 128. The scorer asks the cadence to protect at least
 the `w` newest tokens (`min_recent`), so the budget accounting counts the window inside `b`.
 (The original SnapKV is prefill-only with window 32, kernel-5 average pooling, per query head.)
@@ -22,6 +33,7 @@ the `w` newest tokens (`min_recent`), so the budget accounting counts the window
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -71,13 +83,23 @@ def window_importance(queries: torch.Tensor, keys: torch.Tensor, candidates: tor
     return pool_candidates(probs, candidates, kernel)
 
 
+RULES = ("head", "group")
+
+
 @register("snapkv")
 @dataclass
 class SnapKV(WindowScorer):
     """Decode-time SnapKV. Parameters: `window` (recent queries and protected tokens, default 8),
-    `kernel` (max-pool width, odd, default 7)."""
+    `kernel` (max-pool width, odd, default 7), `rule` (`head` or `group`, module doc; default: what
+    the model provides)."""
 
+    EXTRA = "snapkv_window"
+    reads = (frozenset({"queries", "keys"}), frozenset({"attention"}))
+    # Parameters left out of a run's configuration while unset (configurations from before they existed).
+    unrecorded_when_unset = ("rule",)
     kernel: int = 7
+    rule: str | None = None
+    _rule: str = field(default="head", init=False, repr=False)
     # Per layer: the last `w` recorded queries of every slot, `[slots, Hq, w, d]` (a rolling window,
     # newest last), and how many of them are real so far per slot (a prompt may be shorter than `w`).
     _queries: list = field(default_factory=list, init=False, repr=False)
@@ -88,6 +110,19 @@ class SnapKV(WindowScorer):
         super().__post_init__()
         if self.kernel <= 0 or self.kernel % 2 == 0:
             raise RetentionError(f"the pooling kernel must be a positive odd number, got {self.kernel}")
+        if self.rule is not None and self.rule not in RULES:
+            raise RetentionError(f"the snapkv rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        self._rule = self.rule or "head"
+
+    def reading(self):
+        return self.reads if self.rule is None else (self.reads[RULES.index(self.rule)],)
+
+    def attach(self, model):
+        """The `group` rule reads what the layout modules report; `head` records the queries."""
+        self._rule = self.rule or ("group" if getattr(model, "reports_attention", False) else "head")
+        if self._rule == "group":
+            return contextlib.nullcontext(self)
+        return self._attached(model)
 
     def reset(self) -> None:
         self._queries, self._count = [], {}
@@ -96,7 +131,11 @@ class SnapKV(WindowScorer):
         self._count[slot] = 0
 
     def observe(self, cache, next_position: list[int]) -> None:
-        """Roll this forward's queries of every row into its slot's window of the last `w`."""
+        """Roll this forward's queries (`head`) or attention (`group`) of every row into its slot's
+        window of the last `w`."""
+        if self._rule == "group":
+            self._observe_group(cache)
+            return
         calls = self._recorder.take(cache)
         q_new = calls[0].query.shape[2]
         row_slots = getattr(cache, "slots", None) or list(range(calls[0].query.shape[0]))
@@ -118,6 +157,26 @@ class SnapKV(WindowScorer):
             self._count[s] = min(self.window, self._count.get(s, 0) + q_new)
         self._scaling = calls[0].scaling
 
+    def _observe_group(self, cache) -> None:
+        w = self.window
+        for g, probs in enumerate(cache.attention):  # [R, G, q, n]
+            win = cache.add_extra(g, self.EXTRA, (w,), dtype=probs.dtype)  # [S, G, cap, w], newest last
+            n = probs.shape[-1]
+            win[:, :, :n] = torch.cat([win[:, :, :n], probs[:, :, -w:].transpose(2, 3)], -1)[..., -w:]
+        q = cache.attention[0].shape[2]
+        for s in cache.slots:
+            self._count[s] = min(w, self._count.get(s, 0) + min(q, w))
+
+    def _group_importance(self, view: CacheView, g: int) -> torch.Tensor:
+        """`[B, G, n]` pooled window probabilities of group `g` (the `group` rule), 0 off the candidates."""
+        w = self.window
+        win = view.extra[g][self.EXTRA].permute(0, 3, 1, 2).contiguous()  # [B, w, G, n]
+        count = torch.tensor([self._count.get(s, w) for s in view.slots.tolist()], device=win.device)
+        recorded = torch.arange(w, device=win.device)[None] >= w - count[:, None]  # [B, w]
+        mean = (win * recorded[:, :, None, None]).sum(1) / count[:, None, None]
+        cand = view.valid[g] & ~self.window_mask(view, g)
+        return pool_candidates(mean, cand, self.kernel)
+
     def window_mask(self, view: CacheView, layer: int) -> torch.Tensor:
         """`[B, G, n]` bool: the `w` newest positions of each row (the window's own tokens)."""
         return view.positions[layer] >= view.next_position[:, None, None] - self.window
@@ -133,6 +192,8 @@ class SnapKV(WindowScorer):
 
     def importance(self, view: CacheView, layer: int) -> torch.Tensor:
         """`[B, G, n]` SnapKV importance of one layer, window tokens and padding 0 (before pooling)."""
+        if self._rule == "group":
+            return self._group_importance(view, layer)
         cand = ~self.window_mask(view, layer) & view.valid[layer]
         return window_importance(self.window_queries(view, layer), view.keys[layer], cand, self._scaling, self.kernel)
 

@@ -13,8 +13,12 @@ from retention.arch.configs import (
     ArchConfig,
 )
 from retention.arch.model import ArchLM, build_arch, count_parameters
-from retention.arch.retention import SCORERS, GroupScorer, decode, tokens_for_bytes
 from retention.errors import RetentionError
+from retention.generate import decode
+from retention.layouts import tokens_for_bytes
+from retention.scorers import make_scorer
+
+SCORERS = ("full", "random", "streaming", "h2o", "snapkv")  # what a layout model provides for
 
 TOKENS = [int(t) for t in torch.randint(0, 259, (28,), generator=torch.Generator().manual_seed(1))]
 PROMPT = 8
@@ -108,7 +112,7 @@ def test_documented_configs_store_the_documented_layout(name):
 def test_stored_bytes_equal_the_layout(name):
     model = build_arch(name)
     run = decode(model, TOKENS, PROMPT, "h2o", budget=16, interval=4, sink=2)
-    layout = model.new_cache().layout
+    layout = model.cache_layout()
     assert run.compactions > 0
     assert run.stored_bytes == [n * layout.bytes_per_token for n in run.stored]
 
@@ -127,25 +131,21 @@ def test_every_scorer_is_exact_at_an_unlimited_budget(name, scorer):
 
 
 @pytest.mark.parametrize(("name", "scorer"), _grid(["random", "streaming", "h2o", "snapkv"], "snapkv"))
-def test_eviction_is_shared_per_group_and_changes_the_output(name, scorer, monkeypatch):
-    import retention.arch.retention as r
-
+def test_eviction_is_shared_per_group_and_changes_the_output(name, scorer):
     model = build_arch(name, dtype=torch.float64)
-    real_compact = r.compact
+    layout = model.cache_layout()
 
-    def checked_compact(cache, *args):
-        real_compact(cache, *args)
+    def check(cache):
+        n = cache.lengths[0]
         for g, members in enumerate(cache.groups):
-            n = cache.positions[g].shape[-1]
-            for s in cache.layout.stores:
-                if cache.group_of_store[s.name] == g:
-                    # every store the group reads holds exactly the group's kept tokens
-                    assert cache.tensors[s.name].shape[2] == n
-            for layer in members:
-                assert cache.layer_positions(layer) is cache.positions[g]
+            group = cache.layers[g]
+            # every store the group's layers read is gathered with the group's one kept set
+            reads = {s.name for s in layout.stores if set(s.readers) & set(members)}
+            assert set(group.stores) == reads
+            assert group.positions.shape[-1] == n and all(b.shape[2] == group.pbuf.shape[2]
+                                                          for b in group.stores.values())
 
-    monkeypatch.setattr(r, "compact", checked_compact)
-    run = decode(model, TOKENS, PROMPT, scorer, budget=16, interval=4, sink=2)
+    run = decode(model, TOKENS, PROMPT, scorer, budget=16, interval=4, sink=2, on_compaction=check)
     assert run.compactions > 0 and max(run.stored) <= 16 + 4
     full = _full_logits(model, TOKENS)
     assert not torch.allclose(torch.stack(run.logits), full[PROMPT - 1:], atol=1e-6)
@@ -157,7 +157,7 @@ def test_compacting_to_everything_is_bit_identical():
     ids = torch.tensor([TOKENS[:10]])
     with torch.no_grad():
         model(ids, torch.arange(10)[None], cache)
-        cache.compact([torch.arange(10).expand(1, cache.layout.kv_heads, -1) for _ in cache.groups])
+        cache.compact(torch.arange(10).expand(len(cache.groups), 1, cache.layout.kv_heads, -1))
         a = model(torch.tensor([[TOKENS[10]]]), torch.tensor([[10]]), cache).logits
         b = _full_logits(model, TOKENS[:11])[-1]
     assert torch.allclose(a[0, -1], b, atol=1e-12, rtol=0)
@@ -165,8 +165,10 @@ def test_compacting_to_everything_is_bit_identical():
 
 @pytest.mark.parametrize("name", ["triattention", "alpha"])
 def test_position_statistic_scorers_are_refused(name):
-    with pytest.raises(RetentionError, match="not defined on latent"):
-        GroupScorer(name)
+    from retention.arms import validate_arm
+
+    with pytest.raises(RetentionError, match="scores per-head post-RoPE keys"):
+        validate_arm({"model": "tiny-mla", "scorer": name, "budget": 16})
 
 
 def test_budget_bytes_matches_memory_across_layouts():
@@ -187,14 +189,17 @@ def test_h2o_mass_is_every_query_head_of_every_layer_in_the_group(name):
     group's accumulated mass is (its layers) x (query heads) x (queries seen)."""
     model = build_arch(name, dtype=torch.float64)
     cache = model.new_cache()
-    scorer = GroupScorer("h2o")
-    scorer.attach(cache)
+    cache.collect_attention = True
+    scorer = make_scorer("h2o")
     with torch.no_grad():
         model(torch.tensor([TOKENS[:10]]), torch.arange(10)[None], cache)
+        scorer.observe(cache, [10])
         model(torch.tensor([[TOKENS[10]]]), torch.tensor([[10]]), cache)
+        scorer.observe(cache, [11])
     for g, members in enumerate(cache.groups):
-        assert scorer._mass[g].shape == (1, cache.layout.kv_heads, 11)
-        assert abs(float(scorer._mass[g].sum()) - len(members) * model.config.q_heads * 11) < 1e-9
+        mass = cache.layers[g].extra[scorer.EXTRA][:, :, :11]
+        assert mass.shape == (1, cache.layout.kv_heads, 11)
+        assert abs(float(mass.sum()) - len(members) * model.config.q_heads * 11) < 1e-9
 
 
 def test_tied_embeddings_share_one_matrix():

@@ -1,6 +1,6 @@
-"""DeepSeek-V2/V3 checkpoints on the reference MLA (`retention.arch.deepseek`, `run --engine
-reference`): transformers' logits with MoE layers and YaRN, shared weights, exactness at an
-unlimited budget, and the CLI with its refusals."""
+"""DeepSeek-V2/V3 checkpoints on the reference MLA (`retention.arch.deepseek`, how `retention run`
+always decodes them, through the one engine): transformers' logits with MoE layers and YaRN, shared
+weights, exactness at an unlimited budget, and the CLI with its refusals."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import transformers
 from click.testing import CliRunner
 
 from retention.arch.deepseek import DeepseekReference
-from retention.arch.generate import generate_one
 from retention.cadence import Cadence
 from retention.cli import main
-from retention.engine import Request, SamplingConfig
+from retention.engine import Request, SamplingConfig, run_engine
+from retention.policy import RetentionPolicy
+from retention.scorers import make_scorer
 from retention.models import build_tiny_tokenizer
 
 TOKENS = [int(t) for t in torch.randint(0, 259, (28,), generator=torch.Generator().manual_seed(1))]
@@ -70,13 +71,20 @@ def test_every_weight_is_the_checkpoints():
     assert {id(p) for p in ref.parameters()} == {id(p) for p in hf.parameters()}
 
 
+def _engine(model, requests, scorer, cadence, sampling, batch_size=1, fidelity=False):
+    done = {}
+    run_engine(model, requests, RetentionPolicy(make_scorer(scorer), cadence), sampling, set(),
+               model.cache_layout().kib_per_token, batch_size=batch_size, fidelity=fidelity,
+               on_finish=lambda r, g: done.setdefault(r.key, g))
+    return done
+
+
 def test_unlimited_budget_equals_the_full_cache():
     hf, _ = _deepseek()
     ref = DeepseekReference(hf).eval()
-    kib = ref.new_cache().layout.kib_per_token
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    runs = {s: generate_one(ref, Request("p", TOKENS[:16], 0), s, {}, Cadence(None if s == "full" else 100, 1, sink=1),
-                            sampling, set(), kib, fidelity=True) for s in ("full", "h2o", "snapkv")}
+    runs = {s: _engine(ref, [Request("p", TOKENS[:16], 0)], s, Cadence(None if s == "full" else 100, 1, sink=1),
+                       sampling, fidelity=True)["p"] for s in ("full", "h2o", "snapkv")}
     assert runs["h2o"].token_ids == runs["snapkv"].token_ids == runs["full"].token_ids
     assert all(max(g.fidelity.kl) == 0.0 for g in runs.values())
 
@@ -95,22 +103,32 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-def test_run_on_the_reference_engine(checkpoint, tmp_path):
-    res = _run("--model", str(checkpoint), "--engine", "reference", "--scorer", "h2o,snapkv", "--budget", "24",
-               "--interval", "8", "--out", str(tmp_path))
+def test_run_decodes_a_checkpoint_on_the_reference_mla(checkpoint, tmp_path, monkeypatch):
+    import retention.engine as engine
+
+    models = []
+    real = engine.ModelAdapter.__init__
+
+    def spy(self, model):
+        models.append(type(model).__name__)
+        real(self, model)
+
+    monkeypatch.setattr(engine.ModelAdapter, "__init__", spy)
+    res = _run("--model", str(checkpoint), "--scorer", "h2o,snapkv", "--budget", "24", "--interval", "8",
+               "--out", str(tmp_path))
     assert res.exit_code == 0, res.output
+    assert set(models) == {"DeepseekReference"}
     for d in tmp_path.iterdir():
         config = json.loads((d / "config.json").read_text())["config"]
         (record,) = [json.loads(line) for line in (d / "records.jsonl").read_text().splitlines()]
-        assert config["engine"] == "reference" and record["compactions"] > 0
+        assert "engine" not in config and record["compactions"] > 0
         assert record["cache_mean_tokens"] <= 24 and record["output_tokens"] == 10
 
 
 @pytest.mark.parametrize(("model", "args", "message"), [
-    ("CHECKPOINT", ["--scorer", "h2o"], "or --engine reference"),
-    ("CHECKPOINT", ["--engine", "reference", "--scorer", "alpha"], "alpha cannot score"),
-    ("tiny-mla", ["--engine", "reference", "--scorer", "h2o"], "tiny-mla is a reference layout model"),
-    ("tiny-random", ["--engine", "reference", "--scorer", "h2o"], "tiny-random has a kv cache"),
+    ("CHECKPOINT", ["--scorer", "alpha"], "alpha cannot score"),
+    ("CHECKPOINT", ["--scorer", "rkv"], "rkv cannot score"),
+    ("tiny-mla", ["--engine", "reference", "--scorer", "h2o"], "'reference' is not one of 'hf', 'vllm'"),
 ])
 def test_refusals(checkpoint, tmp_path, model, args, message):
     model = str(checkpoint) if model == "CHECKPOINT" else model
@@ -120,18 +138,12 @@ def test_refusals(checkpoint, tmp_path, model, args, message):
 
 
 def test_batched_decode_is_batch_invariant():
-    from retention.arch.generate import run_arch
-
     hf, _ = _deepseek("v3", 16, YARN)
     ref = DeepseekReference(hf).eval()  # float32: the MoE grouped matmul has no float64 kernel
     g = torch.Generator().manual_seed(2)
     requests = [Request(f"p{i}", [int(t) for t in torch.randint(0, 256, (8 + 3 * i,), generator=g)], i) for i in range(4)]
     sampling = SamplingConfig(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    runs = []
-    for batch in (1, 3):
-        done = {}
-        run_arch(ref, requests, "snapkv", {}, Cadence(16, 4, sink=1, recent=8), sampling, set(),
-                 ref.new_cache().layout.kib_per_token, batch_size=batch, on_finish=lambda r, g: done.setdefault(r.key, g))
-        runs.append(done)
+    runs = [_engine(ref, requests, "snapkv", Cadence(16, 4, sink=1, recent=8), sampling, batch_size=batch)
+            for batch in (1, 3)]
     assert {k: v.token_ids for k, v in runs[0].items()} == {k: v.token_ids for k, v in runs[1].items()}
     assert all(v.meter.compactions > 0 for v in runs[0].values())

@@ -78,12 +78,13 @@ def test_deepseek_v2_checkpoint_runs_with_latent_eviction(tmp_path):
     assert record["cache_mean_tokens"] * record["kib_per_token"] <= 4
 
 
-def test_query_scorers_are_refused_on_a_latent_checkpoint(tmp_path):
+def test_per_head_key_scorers_are_refused_on_a_latent_checkpoint(tmp_path):
     model, tokenizer = _tiny_deepseek_v2()
     (tmp_path / "m").mkdir()
     model.config.to_json_file(tmp_path / "m" / "config.json")  # the layout needs only the config
-    res = _run(["--model", str(tmp_path / "m"), "--scorer", "h2o", "--budget", "16", "--out", str(tmp_path / "o")])
-    assert res.exit_code == 1 and res.output.startswith("Error: h2o cannot score a latent")
+    res = _run(["--model", str(tmp_path / "m"), "--scorer", "rkv", "--budget", "16", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 1 and res.output.startswith("Error: rkv cannot score the ")
+    assert "per-head post-RoPE keys" in res.output
     assert res.output.count("\n") == 1 and not (tmp_path / "o").exists()
 
 

@@ -15,6 +15,7 @@ class KeyNorm(Scorer):
     """
 
     name = "keynorm"
+    reads = (frozenset({"keys"}),)  # per-head keys: `retention run` refuses models that do not provide them
     default_sink = 4  # the first tokens act as attention sinks: protect them by default
     power: float = 1.0
 

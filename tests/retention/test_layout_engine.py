@@ -1,6 +1,7 @@
-"""Reference layout models through `retention run` (retention.arch.generate): exactness at an
-unlimited budget, meter bytes equal to the stored tensors, kept sets per sharing group, the prompt
-rule, sampling seeds, and the CLI path with its refusals."""
+"""Reference layout models through the one engine (`retention.engine`, as `retention run` decodes
+them): exactness at an unlimited budget, meter bytes equal to the stored tensors, kept sets per
+sharing group, the prompt rule, sampling seeds, batch invariance with refills, and the CLI path with
+its refusals."""
 
 from __future__ import annotations
 
@@ -11,27 +12,45 @@ import torch
 from click.testing import CliRunner
 
 from retention.arch.configs import TINY
-from retention.arch.generate import generate_one
 from retention.arch.model import build_arch
-from retention.arch.retention import SCORERS
+from retention.cache import PAD, RetentionCache
 from retention.cadence import Cadence
 from retention.cli import main
-from retention.engine import Request, SamplingConfig
+from retention.engine import Engine, Request, SamplingConfig, run_engine
 from retention.errors import RetentionError
 from retention.models import ALIASES, load_model
+from retention.policy import RetentionPolicy
+from retention.scorers import make_scorer
 
 PROMPT = [int(t) for t in torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3))]
 GREEDY = SamplingConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True)
 FAST = {"tiny-kv", "tiny-mla", "tiny-path-residual"}  # the others are marked slow (`-m "not slow"` skips them)
+SCORERS = ("full", "random", "streaming", "h2o", "snapkv")  # what a layout model provides for
 
 
 def _layouts():
     return [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in TINY]
 
 
-def _generate(model, scorer, cadence, sampling=GREEDY, seed=0, **kw):
-    kib = model.new_cache().layout.kib_per_token
-    return generate_one(model, Request("p", PROMPT, seed), scorer, {}, cadence, sampling, set(), kib, **kw)
+def _policy(scorer, cadence):
+    return RetentionPolicy(make_scorer(scorer), cadence)
+
+
+def _generate(model, scorer, cadence, sampling=GREEDY, seed=0, fidelity=False, on_step=None):
+    """One request through the engine; `on_step(cache, meter)` after every decode step."""
+    kib = model.cache_layout().kib_per_token
+    done = []
+    policy = _policy(scorer, cadence)
+    eng = Engine(model, [Request("p", PROMPT, seed)], policy, sampling, set(), kib, fidelity=fidelity,
+                 on_finish=lambda r, g: done.append(g))
+    with torch.inference_mode(), policy.attach(model):
+        eng.fill()
+        while eng.rows:
+            meter = eng.rows[0].meter
+            eng.step()
+            if on_step is not None and eng.rows:
+                on_step(eng.cache, meter)
+    return done[0]
 
 
 def _naive_greedy(model, n: int) -> list[int]:
@@ -68,26 +87,54 @@ def test_unlimited_budget_is_the_full_cache_decode(name):
 @pytest.mark.parametrize("scorer", ["streaming", "h2o", "snapkv", "random"])
 def test_meter_bytes_are_the_stored_tensors_and_groups_stay_consistent(name, scorer):
     model = build_arch(name)
-    layout = model.new_cache().layout
+    layout = model.cache_layout()
     cadence = Cadence(budget=16, interval=4, sink=2, recent=8 if scorer == "snapkv" else 0)
     seen = []
 
     def check(cache, meter):
-        stored = cache.stored_lengths()
-        assert len(set(stored)) == 1  # every sharing group compacts to the same count
-        assert cache.nbytes() == stored[0] * layout.bytes_per_token == meter.final * layout.bytes_per_token
-        for s in layout.stores:  # a store holds exactly its sharing group's tokens
-            assert cache.tensors[s.name].shape[2] == cache.positions[cache.group_of_store[s.name]].shape[-1]
+        n = cache.lengths[0]
+        assert cache.nbytes() == n * layout.bytes_per_token == meter.final * layout.bytes_per_token
+        # Every store sits in the eviction group of the layers that read it, gathered with the group's
+        # positions: one token axis of one capacity per group.
         for g, members in enumerate(cache.groups):
-            assert all(cache.layer_positions(m) is cache.positions[g] for m in members)
-        if meter.steps:  # decoding: buffers of b + N tokens, written in place, never grown
-            assert cache.allocated_bytes() == (cadence.nominal + cadence.interval) * layout.bytes_per_token
-        seen.append(stored[0])
+            group = cache.layers[g]
+            names = {s.name for s in layout.stores if cache.group_of_store[s.name] == g}
+            assert set(group.stores) == names and names
+            assert all(b.shape[2] == group.pbuf.shape[2] for b in group.stores.values())
+            assert all(set(s.readers) <= set(members) for s in layout.stores if s.name in names)
+            assert all(cache.group_of_layer[m] == g for m in members)
+        # decoding: buffers of b + N tokens, written in place, never grown
+        assert cache.allocated_bytes() == (cadence.nominal + cadence.interval) * layout.bytes_per_token
+        seen.append(n)
 
     g = _generate(model, scorer, cadence, on_step=check)
     assert g.meter.compactions > 0 and max(seen) <= cadence.nominal + cadence.interval - 1  # after compaction
     assert g.meter.mean <= 16 and not g.meter.exceeded and g.meter.peak <= 16 + 4
     assert g.meter.steps == GREEDY.max_new_tokens - 1
+
+
+@pytest.mark.parametrize("name", ["tiny-cla", "tiny-path-concat", "tiny-qk-norm-mla"])
+def test_every_store_of_a_group_holds_the_groups_kept_tokens(name):
+    """After a compaction each store of a sharing group holds exactly the tokens the group kept: the
+    stored tensors equal those of a cache that was written with only those tokens in the first place
+    (positions kept, so keys rotated alike)."""
+    model = build_arch(name, dtype=torch.float64)
+    ids = torch.tensor([PROMPT])
+    pos = torch.arange(len(PROMPT))[None]
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids, pos, cache)
+    g = torch.Generator().manual_seed(0)
+    keep = [torch.sort(torch.randperm(len(PROMPT), generator=g)[:9]).values for _ in cache.groups]
+    cache.compact(torch.stack([k.expand(1, cache.layout.kv_heads, -1) for k in keep]))
+    for gi, k in enumerate(keep):
+        assert cache.layers[gi].positions[0, 0].tolist() == k.tolist()
+        for name_, buf in cache.layers[gi].stores.items():
+            fresh = model.new_cache()
+            with torch.no_grad():
+                model(ids, pos, fresh)
+            want = fresh.read(name_)[:, :, k]
+            assert torch.equal(buf[:, :, :9], want), name_
 
 
 def test_protect_prompt_keeps_every_prompt_token():
@@ -96,9 +143,9 @@ def test_protect_prompt_keeps_every_prompt_token():
     P = len(PROMPT)
 
     def check(cache, meter):
-        for positions in cache.positions:
-            assert (positions < P).sum(-1).eq(P).all()
-            assert positions.shape[-1] <= P + cadence.nominal + cadence.interval - 1
+        for layer in cache.layers:
+            assert (layer.positions < P).sum(-1).eq(P).all()
+            assert layer.positions.shape[-1] <= P + cadence.nominal + cadence.interval - 1
 
     g = _generate(model, "snapkv", cadence, on_step=check)
     assert g.meter.compactions > 0
@@ -145,6 +192,14 @@ def test_run_cli_on_a_reference_layout_model(tmp_path):
 def test_key_statistic_scorers_are_refused_on_layout_models(tmp_path, scorer):
     res = _run(tmp_path, "--model", "tiny-mla", "--scorer", scorer, "--budget", "16")
     assert res.exit_code == 1 and res.output.startswith(f"Error: {scorer} cannot score the tiny-mla cache")
+    assert res.output.endswith("use full, random, streaming, h2o, snapkv\n")
+    assert res.output.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_snapkv_head_rule_is_refused_on_layout_models(tmp_path):
+    """The per-head rule reads queries and per-head keys; the layout modules provide attention."""
+    res = _run(tmp_path, "--model", "tiny-cla", "--scorer", "snapkv", "--param", "snapkv.rule=head", "--budget", "16")
+    assert res.exit_code == 1 and res.output.startswith("Error: snapkv cannot score the tiny-cla cache")
     assert res.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
@@ -157,19 +212,34 @@ def test_plan_validation_refuses_them_too():
 
 
 def test_layout_cache_writes_in_place_grows_and_rewinds():
-    model = build_arch("tiny-mla")
-    cache = model.new_cache(capacity=6)
+    cache = RetentionCache.for_layout(build_arch("tiny-mla").cache_layout(), capacity=6)
     x = torch.randn(1, 1, 4, 3)
-    held = cache.append("s", x)
+    cache.begin_step(torch.arange(4)[None])
+    held = cache.append("L0.c_kv", x)
     buf = held.data_ptr()
-    cache.append("s", torch.ones(1, 1, 2, 3))
-    assert cache.read("s").data_ptr() == buf and cache.read("s").shape[2] == 6  # in place, at capacity
-    grown = cache.append("s", torch.zeros(1, 1, 1, 3))
-    assert grown.data_ptr() != buf and cache.allocated_bytes() == 14 * 3 * 4  # doubled to 2 x 7
+    cache.begin_step(torch.arange(4, 6)[None])
+    cache.append("L0.c_kv", torch.ones(1, 1, 2, 3))
+    assert cache.read("L0.c_kv").data_ptr() == buf and cache.read("L0.c_kv").shape[2] == 6  # in place, at capacity
+    cache.begin_step(torch.tensor([[6]]))
+    grown = cache.append("L0.c_kv", torch.zeros(1, 1, 1, 3))
+    assert grown.data_ptr() != buf and cache.layers[0].capacity == 12  # doubled
     assert torch.equal(grown[:, :, :4], x) and grown[:, :, 4:6].eq(1).all() and grown[:, :, 6].eq(0).all()
     cache.truncate(4)
-    again = cache.append("s", torch.full((1, 1, 1, 3), 7.0))
+    cache.begin_step(torch.tensor([[4]]))
+    again = cache.append("L0.c_kv", torch.full((1, 1, 1, 3), 7.0))
     assert again.shape[2] == 5 and again[:, :, 4].eq(7).all() and torch.equal(again[:, :, :4], x)
+
+
+def test_padding_reads_as_a_position_after_every_query():
+    cache = RetentionCache.for_layout(build_arch("tiny-kv").cache_layout(), capacity=8)
+    one = RetentionCache.for_layout(cache.layout, capacity=8)
+    one.begin_step(torch.arange(3)[None])
+    batch = RetentionCache.for_layout(cache.layout, capacity=8)
+    batch.begin_step(torch.arange(5).expand(2, -1))
+    batch.load_row(1, one)
+    batch.begin_step(torch.tensor([[5], [3]]))
+    pos = batch.layer_positions(0)
+    assert pos[0, 0].tolist() == [0, 1, 2, 3, 4, 5] and pos[1, 0].tolist() == [0, 1, 2, 3, PAD, PAD]
 
 
 def _requests(n: int = 5):
@@ -179,12 +249,10 @@ def _requests(n: int = 5):
             for i in range(n)]
 
 
-def _batched(model, scorer, cadence, sampling, batch_size, fidelity=True):
-    from retention.arch.generate import run_arch
-
+def _batched(model, scorer, cadence, sampling, batch_size, fidelity=True, eos=frozenset()):
     done = {}
-    run_arch(model, _requests(), scorer, {}, cadence, sampling, set(), model.new_cache().layout.kib_per_token,
-             batch_size=batch_size, fidelity=fidelity, on_finish=lambda req, g: done.setdefault(req.key, g))
+    run_engine(model, _requests(), _policy(scorer, cadence), sampling, set(eos), model.cache_layout().kib_per_token,
+               batch_size=batch_size, fidelity=fidelity, on_finish=lambda req, g: done.setdefault(req.key, g))
     return done
 
 
@@ -219,10 +287,6 @@ def test_eos_finishes_a_row_and_refills_it():
     sampling = SamplingConfig(max_new_tokens=12, temperature=0.0)
     first = _batched(model, "h2o", Cadence(16, 4, sink=2), sampling, 1, fidelity=False)
     eos = {first["p1"].token_ids[3]}  # a token row p1 emits: it stops there
-    done = {}
-    from retention.arch.generate import run_arch
-
-    run_arch(model, _requests(), "h2o", {}, Cadence(16, 4, sink=2), sampling, eos, 0.5, batch_size=2,
-             on_finish=lambda req, g: done.setdefault(req.key, g))
+    done = _batched(model, "h2o", Cadence(16, 4, sink=2), sampling, 2, fidelity=False, eos=eos)
     assert len(done) == 5 and done["p1"].finish_reason == "eos" and done["p1"].token_ids[-1] in eos
     assert len(done["p1"].token_ids) <= 4

@@ -1,0 +1,85 @@
+"""The engine's model adapter: what `retention.engine` needs from a model, for transformers models and
+the reference layout models (`retention.arch`, DeepSeek checkpoints on the reference MLA) alike.
+
+* one step forward at explicit absolute positions (`forward`): transformers get a 4-D additive mask
+  that hides each row's padding; the layout modules mask padding by position (`PAD`);
+* the cache it writes (`new_cache`): the per-layer K/V layout of `RetentionCache`, or the model's
+  `CacheLayout` (`RetentionCache.for_layout`), which collects the attention the modules report when
+  the scorer reads it;
+* what it provides to scorers (`provides`, kinds of `retention.scorers.READS`): beyond the stores,
+  `queries`/`calibration` through `retention.capture` on transformers, `attention` on the layout
+  modules.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from retention.cache import RetentionCache
+
+# What each kind of model provides to a scorer (`retention.scorers.READS`).
+TRANSFORMERS_PROVIDES = frozenset({"positions", "keys", "values", "queries", "calibration"})
+LAYOUT_MODEL_PROVIDES = frozenset({"positions", "attention"})
+
+
+def provides(layout, reference: bool) -> frozenset[str]:
+    """What a model with cache `layout` gives scorers: a transformers model its per-layer K/V
+    (`keys`, `values`) and the queries it computes (`queries`, so `calibration` too); a reference
+    layout model (`reference`) the attention its modules report, plus the layout's stores the
+    view exposes (`CacheLayout.provides`: a `latent` on MLA; per-head keys reach scorers only on
+    the transformers path)."""
+    if not reference:
+        return TRANSFORMERS_PROVIDES
+    return LAYOUT_MODEL_PROVIDES | (layout.provides & {"latent"})
+
+
+def cache_kwarg(model) -> str:
+    """transformers is renaming the forward's cache argument (`past_key_values` -> `cache`)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward_step(model, input_ids: torch.Tensor, positions: torch.Tensor, cache, cache_kw: str,
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One forward of `[R, q]` tokens at explicit absolute positions; returns the last logits `[R, V]`."""
+    if getattr(model, "reports_attention", False):  # a reference layout model (`retention.arch`)
+        return model(input_ids, positions, cache, logits_to_keep=1).logits[:, -1]
+    if isinstance(cache, RetentionCache):
+        cache.set_step_positions(positions)
+    kw = {} if attention_mask is None else {"attention_mask": attention_mask}
+    out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_kw: cache},
+                **kw)
+    return out.logits[:, -1]
+
+
+class ModelAdapter:
+    """What the engine needs from a model: one step forward at explicit positions (`forward`), the
+    cache it writes (`new_cache`: its `CacheLayout`) and what it provides to scorers (`provides`)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.reference = bool(getattr(model, "reports_attention", False))
+        self.cache_kw = None if self.reference else cache_kwarg(model)
+        self.dtype = next(model.parameters()).dtype
+        self.layout = model.cache_layout() if self.reference else None
+        self.L = self.layout.layers if self.reference else model.config.get_text_config().num_hidden_layers
+        self.provides = provides(self.layout, self.reference)
+
+    def new_cache(self, capacity: int | None, scorer=None) -> RetentionCache:
+        """An empty cache of the model's layout; with `scorer`, one that collects the attention the
+        modules report when the scorer reads it."""
+        if not self.reference:
+            return RetentionCache(self.L, capacity=capacity)
+        cache = RetentionCache.for_layout(self.layout, capacity)
+        cache.collect_attention = scorer is not None and "attention" in self.provides and any(
+            "attention" in alt for alt in scorer.reading())
+        return cache
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: RetentionCache, padded: bool = False) -> torch.Tensor:
+        """Logits `[R, V]` of one forward of `[R, q]` tokens; `padded`: rows may differ in length."""
+        if self.reference:
+            return self.model(ids, pos, cache, logits_to_keep=1).logits[:, -1]
+        mask = cache.attention_mask(1, self.dtype) if padded else None
+        return forward_step(self.model, ids, pos, cache, self.cache_kw, mask)
