@@ -29,10 +29,12 @@ def provides(layout, reference: bool) -> frozenset[str]:
     (`keys`, `values`) and the queries it computes (`queries`, so `calibration` too); a reference
     layout model (`reference`) the attention its modules report, plus the layout's stores the
     view exposes (`CacheLayout.provides`: a `latent` on MLA; per-head keys reach scorers only on
-    the transformers path)."""
+    the transformers path); on an MLA latent also `calibration`, the latent query statistics of
+    `retention.calibration_latent` (not on path-on-MLA: not implemented there)."""
     if not reference:
         return TRANSFORMERS_PROVIDES
-    return LAYOUT_MODEL_PROVIDES | (layout.provides & {"latent"})
+    calibrated = {"calibration"} if layout.family == "mla" else set()
+    return LAYOUT_MODEL_PROVIDES | (layout.provides & {"latent"}) | calibrated
 
 
 def cache_kwarg(model) -> str:

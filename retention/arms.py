@@ -231,10 +231,10 @@ def validate_arm(cfg: dict):
 
 def check_stats_file(path: Path) -> None:
     """Read a statistics file now: one that is not statistics fails here, not mid-run."""
-    from retention.calibration import QueryStats
+    from retention.calibration_latent import read_stats_file
 
     try:
-        QueryStats.load(path)
+        read_stats_file(path)  # per-head or latent (MLA) statistics
     except RetentionError:
         raise
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types

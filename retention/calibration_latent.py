@@ -293,3 +293,18 @@ def load_latent_stats(path: str | Path | None, model, latent: LatentModel | None
     stats = LatentStats.load(path)
     stats.check_model(latent, source=f"statistics {path}")
     return stats
+
+
+def read_stats_file(path: str | Path):
+    """A statistics file of either kind, read without a model: `LatentStats` when its metadata says
+    `"kind": "latent"`, else `retention.calibration.QueryStats` (one error line when it is neither)."""
+    from safetensors import SafetensorError, safe_open
+
+    from retention.calibration import QueryStats
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            kind = json.loads((f.metadata() or {}).get(META_KEY, "{}")).get("kind")
+    except (ValueError, OSError, AttributeError, json.JSONDecodeError, SafetensorError) as exc:
+        raise RetentionError(f"{path} is not a retention statistics file ({type(exc).__name__}: {exc})") from None
+    return (LatentStats if kind == KIND else QueryStats).load(path)

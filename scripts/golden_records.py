@@ -53,6 +53,7 @@ MODELS = ("tiny-random", "tiny-kv", "tiny-cla", "tiny-mla", "tiny-qk-norm-mla", 
           "tiny-path-residual", "tiny-path-mla")
 SCORERS = ("full", "random", "streaming", "h2o", "snapkv", "rkv", "triattention", "alpha")
 BATCH_SIZES = (1, 8)
+CALIBRATED = ("tiny-random", "tiny-mla", "tiny-qk-norm-mla")
 DTYPE = "float64"
 LIMIT = 2
 MAX_NEW_TOKENS = 24
@@ -196,13 +197,16 @@ def _base(model: str, scorer: str, stats: str | None = None) -> dict:
 
 
 def _stats_file(model: str, out: Path) -> str:
-    """Calibration statistics of `model` (float64) on a fixed text, as `retention calibrate` writes them."""
+    """Calibration statistics of `model` (float64) on a fixed text, as `retention calibrate` writes them
+    (per-head, or latent for an MLA model)."""
     from retention.calibration import calibrate
+    from retention.calibration_latent import calibrate_latent, latent_model
     from retention.models import load_model
 
     loaded = load_model(model, dtype=DTYPE, device="cpu")
     ids = list(CALIBRATION_TEXT)
-    return str(calibrate(loaded.model, ids, model_id=model).save(out / f"{model}.safetensors"))
+    how = calibrate_latent if latent_model(loaded.model) is not None else calibrate
+    return str(how(loaded.model, ids, model_id=model).save(out / f"{model}.safetensors"))
 
 
 def run_one(model: str, scorer: str, batch_size: int, problems, out: Path, stats: str | None) -> dict:
@@ -239,7 +243,8 @@ def record_model(model: str) -> list[dict]:
 
     with _private_dirs() as tmp, _float64_admitted(), _one_thread():
         problems = load_split("dev")[:LIMIT]
-        stats = _stats_file(model, tmp) if model == "tiny-random" else None
+        # The models `retention calibrate` writes statistics for (MLA: latent statistics, issue 20 item 4).
+        stats = _stats_file(model, tmp) if model in CALIBRATED else None
         return [run_one(model, s, b, problems, tmp / s, stats) for s in SCORERS for b in BATCH_SIZES]
 
 

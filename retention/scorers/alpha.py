@@ -23,11 +23,8 @@ the kept indices, sorted ascending, are bit-for-bit those of the top-k baseline.
 
 On an MLA latent cache (`retention.scorers.latent`) the scores are the latent TriAttention's and a
 token's signature is the same mean over layers and heads, formed from its latents through each
-layer's head-mean value up-projection (`latent_value_signatures`, exact). It is formed from the
-view at each compaction: with the shared routing every layer holds every kept token, and a latent
-is stored exactly, so this equals the signature when the token was written. The per-layer routing
-is refused there (a layer's kept token may be gone from other layers, whose latents its signature
-needs), with one line.
+layer's head-mean value up-projection (`latent_value_signatures`, exact), when the token is written,
+and carried as the same per-token state (`[S, 1, cap, d_v]`: one eviction head per MLA layer).
 """
 
 from __future__ import annotations
@@ -116,18 +113,13 @@ class Alpha(TriAttention):
         if not -1.0 <= self.radius <= 1.0:  # a cosine: outside [-1, 1] it silently means "never" or "always"
             raise RetentionError(f"--radius is a cosine and must be in [-1, 1], got {self.radius}")
 
-    def check_latent(self) -> None:
-        if self.per_layer:
-            raise RetentionError("alpha --routing per-layer is not defined on an MLA latent cache: a token's "
-                                 "V-signature is the mean over every layer's latent, and per-layer routing drops it "
-                                 "from some layers only; use --routing shared")
-
     def observe(self, cache, next_position) -> None:
         """Write the signature of every token the last forward wrote (all layers and KV heads hold
-        it now) into the per-token buffer, at that token's slot in every KV head. A latent cache
-        needs none (its signatures come from the view's latents, `signatures`)."""
+        it now) into the per-token buffer, at that token's slot in every KV head (on a latent cache:
+        from its latents, `LatentScoring.write_signatures`)."""
         super().observe(cache, next_position)
         if self._latent is not None:
+            self._latent.write_signatures(cache, self.EXTRA, self.per_layer)
             return
         idx = cache.written_slots()  # [S, q]
         S, q = idx.shape
@@ -139,10 +131,8 @@ class Alpha(TriAttention):
             cache.add_extra(layer, self.EXTRA, (d,)).scatter_(2, gidx, u)
 
     def signatures(self, view: CacheView) -> torch.Tensor:
-        """The view's signatures: `[B, G, n, d]` (shared) or `[L, B, G, n, d]` (per layer); on a
-        latent view `[B, 1, n, d_v]` from its latents."""
-        if not view.keys and self._latent is not None:
-            return self._latent.signatures(view)
+        """The view's signatures: `[B, G, n, d]` (shared) or `[L, B, G, n, d]` (per layer); `G = 1`
+        and `d = d_v` on a latent cache."""
         if not view.extra or self.EXTRA not in view.extra[0]:
             raise RuntimeError("alpha: no V-signatures in the cache (observe() not called after a forward?)")
         if self.per_layer:

@@ -132,8 +132,9 @@ def holds_latent(view) -> bool:
 
 
 class LatentScoring:
-    """TriAttention's raw scores and alpha's V-signatures on the latent stores of a `CacheView`, for
-    one MLA model (`retention.calibration_latent.LatentModel`) and its latent statistics.
+    """TriAttention's raw scores on the latent stores of a `CacheView`, and alpha's V-signatures
+    written into the cache, for one MLA model (`retention.calibration_latent.LatentModel`) and its
+    latent statistics.
 
     The view (issue 20's one cache): eviction group `g` is MLA layer `groups[g][0]`, with stores
     `L{l}.c_kv` `[B, 1, n, r]`, `L{l}.k_rope` `[B, 1, n, d_r]` and, for QK-norm MLA, `L{l}.inv_rms`
@@ -165,12 +166,22 @@ class LatentScoring:
             self.w_uk_t[layer].to(dev), content_factor=None if rho is None else rho[..., 0],
             interleaved=self.latent.key_interleaved, rope_scale=self.latent.rope_scale)
 
-    def signatures(self, view) -> torch.Tensor:
-        """`[B, 1, n, d_v]`: each token's V-signature from its latents in every group of the view.
-        Valid when every group holds the same tokens in the same order (the shared routing)."""
+    def write_signatures(self, cache, name: str, every_group: bool) -> None:
+        """Write the V-signature `[d_v]` of every token the last forward wrote (every layer holds
+        its latent now) as per-token state `name` of group 0 (or of every group, `every_group`),
+        at that token's slot: `cache` is the one runtime's layout cache (`RetentionCache`:
+        `written_slots`, `read`, `add_extra`). The state then follows every compaction, row move and
+        refill, so a signature never depends on later evictions (as per-head `alpha`'s)."""
+        idx = cache.written_slots()  # [S, q]
+        S, q = idx.shape
         latents, w_uv = [], []
-        for g in range(view.num_layers):
-            c = _store(view.stores[g], "c_kv")[:, 0]
+        for members in cache.groups:
+            layer = members[0]
+            stored = cache.read(f"L{layer}.c_kv")  # [S, 1, w, r]
+            c = stored.gather(2, idx[:, None, :, None].expand(S, 1, q, stored.shape[-1]))[:, 0]  # [S, q, r]
             latents.append(c.to(torch.float64 if c.dtype == torch.float64 else torch.float32))
-            w_uv.append(self.w_uv[self._layer(view, g)].to(c.device))
-        return latent_value_signatures(latents, w_uv)[:, None]
+            w_uv.append(self.w_uv[layer].to(c.device))
+        u = latent_value_signatures(latents, w_uv)  # [S, q, d_v]
+        gidx = idx[:, None, :, None].expand(S, 1, q, u.shape[-1])
+        for g in range(len(cache.groups)) if every_group else (0,):
+            cache.add_extra(g, name, (u.shape[-1],), dtype=u.dtype).scatter_(2, gidx, u[:, None])

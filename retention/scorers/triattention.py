@@ -164,14 +164,10 @@ class TriAttention(Scorer):
 
             latent = latent_model(model)
             if latent is not None:
-                self.check_latent()
                 self.bind_latent(load_latent_stats(self.stats, model, latent), latent)
             else:
                 self.bind(load_stats(self.stats, model), rotary_inv_freq(model))
         yield self
-
-    def check_latent(self) -> None:
-        """Refuse, in one line, options this scorer does not define on a latent cache (none here)."""
 
     def attach(self, model):
         return self._attached(model)

@@ -168,7 +168,7 @@ def test_position_statistic_scorers_are_refused(name):
     from retention.arms import validate_arm
 
     with pytest.raises(RetentionError, match="scores per-head post-RoPE keys"):
-        validate_arm({"model": "tiny-mla", "scorer": name, "budget": 16})
+        validate_arm({"model": "tiny-cla", "scorer": name, "budget": 16})  # tiny-mla: tests/retention/test_latent_run.py
 
 
 def test_budget_bytes_matches_memory_across_layouts():

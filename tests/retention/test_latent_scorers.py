@@ -27,6 +27,7 @@ from retention.calibration_latent import calibrate_latent, latent_model
 from retention.scorers import make_scorer
 from retention.scorers.alpha import facility_location_keep
 from retention.scorers.frequency import zscore_group_max
+from retention.scorers.latent import latent_value_signatures
 from retention.scorers.triattention import head_scores, query_weights, rope_inverted_head_scores
 
 TOL = 1e-9
@@ -62,8 +63,12 @@ def latent_view(model, seed: int = 0, same_position: bool = False) -> CacheView:
     protected = torch.zeros_like(pos, dtype=torch.bool)
     protected[..., 0] = True
     protected[..., -2:] = True
-    return CacheView([], [], [pos] * L, [protected] * L, torch.tensor(lengths), stores=stores,
-                     groups=[(layer,) for layer in range(L)], layout=model.config.cache_layout())
+    # alpha's per-token signatures, as `alpha.observe` writes them (its own test: below).
+    w_uv = [layer.self_attn.v_b_proj.weight.view(model.config.q_heads, model.config.v_dim, -1)
+            if model.config.family == "qk-norm-mla" else layer.self_attn.up_weights()[1] for layer in model.model.layers]
+    sig = latent_value_signatures([stores[i][f"L{i}.c_kv"][:, 0] for i in range(L)], w_uv)[:, None]
+    return CacheView([], [], [pos] * L, [protected] * L, torch.tensor(lengths), extra=[{"alpha_sig": sig}] * L,
+                     stores=stores, groups=[(layer,) for layer in range(L)], layout=model.config.cache_layout())
 
 
 @pytest.fixture(scope="module", params=["tiny-mla", "tiny-qk-norm-mla"])
@@ -169,23 +174,74 @@ def test_per_layer_routing_on_a_latent(setup):
     assert bool(keep[..., 0].eq(0).all())  # the protected sink is kept in every layer
 
 
-def test_alpha_signatures_from_the_latent_equal_materialised_values(setup):
+def _materialised_signatures(model, latents) -> torch.Tensor:
+    """`[B, n, d_v]`: every head's value `W_UV_h c_j` materialised in every layer, averaged, normalised."""
+    values = []
+    for layer, c in enumerate(latents):
+        attn = model.model.layers[layer].self_attn
+        w_uv = (attn.v_b_proj.weight.view(model.config.q_heads, model.config.v_dim, -1)
+                if model.config.family == "qk-norm-mla" else attn.up_weights()[1])
+        values.append(torch.einsum("bnr,hvr->bhnv", c, w_uv))
+    return torch.nn.functional.normalize(torch.stack(values).mean(dim=(0, 2)), dim=-1)
+
+
+@pytest.mark.parametrize("routing", ["shared", "per-layer"])
+def test_alpha_writes_latent_signatures_that_follow_compactions(setup, routing):
+    """On the one runtime's layout cache: `observe` writes each new token's signature from its
+    latents (equal to materialised values' to 1e-9), and after a compaction (per-layer routing:
+    another kept set in each layer) every group still holds its kept tokens' signatures of the
+    time they were written, though other layers dropped those tokens' latents."""
+    model, latent, stats = setup
+    L = model.config.layers
+    alpha = _bound("alpha", model, latent, stats, routing=routing)
+    ids = torch.randint(0, 259, (1, 18), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids[:, :15], torch.arange(15)[None], cache)
+        alpha.observe(cache, [15])
+        for t in (15, 16):  # two decode steps
+            model(ids[:, t:t + 1], torch.tensor([[t]]), cache)
+            alpha.observe(cache, [t + 1])
+    latents = [cache.read(f"L{i}.c_kv")[:, 0] for i in range(L)]
+    want = _materialised_signatures(model, latents)  # [1, 17, d_v], at write time
+    view = cache.view(17)
+    groups = range(L) if routing == "per-layer" else (0,)
+    for g in groups:
+        got = view.extra[g]["alpha_sig"]
+        assert got.shape == (1, 1, 17, model.config.v_dim) and got.dtype == torch.float64
+        err = (got[:, 0] - want).abs().max().item()
+        assert err < TOL, err
+    # Compact: keep 9 tokens, another set in each layer with the per-layer routing.
+    g = torch.Generator().manual_seed(1)
+    sets = [torch.cat([torch.tensor([0]), 1 + torch.randperm(16, generator=g)[:8].sort().values]) for _ in range(L)]
+    keep = torch.stack(sets)[:, None, None] if routing == "per-layer" else sets[0][None, None]
+    cache.compact_rows([0], keep)
+    with torch.no_grad():
+        model(ids[:, 17:18], torch.tensor([[17]]), cache)
+        alpha.observe(cache, [18])
+    new = _materialised_signatures(model, [cache.read(f"L{i}.c_kv")[:, 0, -1:] for i in range(L)])  # the new token
+    view = cache.view(18)
+    for g_ in groups:
+        kept = sets[g_] if routing == "per-layer" else sets[0]
+        expect = torch.cat([want[:, kept], new], 1)
+        assert (view.extra[g_]["alpha_sig"][:, 0] - expect).abs().max().item() < TOL
+    if routing == "per-layer":  # not vacuous: the layers' kept sets differ, and so would their signatures
+        assert not torch.equal(sets[0], sets[1])
+    scores = alpha.score(view)
+    kept = alpha.select(scores, view, 6)
+    assert kept.shape == ((L, 1, 1, 6) if routing == "per-layer" else (1, 1, 6))
+
+
+def test_alpha_selection_reads_the_signatures(setup):
     model, latent, stats = setup
     view = latent_view(model)
-    got = _bound("alpha", model, latent, stats).signatures(view)  # [B, 1, n, d_v]
-    values = []
-    for layer in range(model.config.layers):
-        _, w_uv = latent.up_weights(layer)
-        values.append(torch.einsum("bnr,hvr->bhnv", view.stores[layer][f"L{layer}.c_kv"][:, 0], w_uv.double()))
-    want = torch.nn.functional.normalize(torch.stack(values).mean(dim=(0, 2)), dim=-1)[:, None]
-    assert got.shape == want.shape == (2, 1, N, model.config.v_dim) and got.dtype == torch.float64
-    err = (got - want).abs().max().item()
-    assert err < TOL, err
-    # alpha's selection reads them: the latent alpha keeps what facility location on the materialised
-    # signatures keeps, and redundancy matters (lambda large changes the kept set).
+    sig = view.extra[0]["alpha_sig"]
+    want = _materialised_signatures(model, [view.stores[i][f"L{i}.c_kv"][:, 0] for i in range(model.config.layers)])
+    assert (sig[:, 0] - want).abs().max().item() < TOL
     scores = _bound("triattention", model, latent, stats).score(view)
     a = _bound("alpha", model, latent, stats, lam=0.7)
-    assert torch.equal(a.select(scores, view, 8), facility_location_keep(scores, want, view.protected[0], 8, 0.7))
+    assert torch.equal(a.select(scores, view, 8), facility_location_keep(scores, want[:, None], view.protected[0], 8,
+                                                                        0.7))
     big = _bound("alpha", model, latent, stats, lam=50.0).select(scores, view, 8)
     assert not torch.equal(big, _bound("alpha", model, latent, stats, lam=0.0).select(scores, view, 8))
 
@@ -219,9 +275,6 @@ def test_attach_binds_latent_statistics_and_refuses_what_is_not_derived(tmp_path
         view = latent_view(model)
         keep = scorer.select(scorer.score(view), view, 6)
     assert keep.shape == (2, 1, 6)
-    with pytest.raises(RetentionError, match="per-layer is not defined on an MLA latent"):
-        with make_scorer("alpha", stats=str(path), routing="per-layer").attach(model):
-            pass
     with pytest.raises(RetentionError, match="path-on-MLA"):
         with make_scorer("triattention", stats=str(path)).attach(build_arch("tiny-path-mla")):
             pass

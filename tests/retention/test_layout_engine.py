@@ -188,11 +188,14 @@ def test_run_cli_on_a_reference_layout_model(tmp_path):
         len((d / "records.jsonl").read_text().splitlines()) == 2 for d in dirs)  # resumed: nothing added
 
 
-@pytest.mark.parametrize("scorer", ["alpha", "triattention", "rkv"])
-def test_key_statistic_scorers_are_refused_on_layout_models(tmp_path, scorer):
-    res = _run(tmp_path, "--model", "tiny-mla", "--scorer", scorer, "--budget", "16")
-    assert res.exit_code == 1 and res.output.startswith(f"Error: {scorer} cannot score the tiny-mla cache")
-    assert res.output.endswith("use full, random, streaming, h2o, snapkv\n")
+# triattention and alpha read an MLA latent with its (latent) calibration (issue 20 item 4), no other layout's stores.
+@pytest.mark.parametrize(("model", "scorer", "usable"), [
+    ("tiny-cla", "alpha", ""), ("tiny-path-mla", "triattention", ""), ("tiny-kv", "triattention", ""),
+    ("tiny-mla", "rkv", ", triattention, alpha")])
+def test_key_statistic_scorers_are_refused_on_layout_models(tmp_path, model, scorer, usable):
+    res = _run(tmp_path, "--model", model, "--scorer", scorer, "--budget", "16")
+    assert res.exit_code == 1 and res.output.startswith(f"Error: {scorer} cannot score the {model} cache")
+    assert res.output.endswith(f"use full, random, streaming, h2o, snapkv{usable}\n")
     assert res.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
