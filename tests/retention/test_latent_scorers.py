@@ -64,8 +64,7 @@ def latent_view(model, seed: int = 0, same_position: bool = False) -> CacheView:
     protected[..., 0] = True
     protected[..., -2:] = True
     # alpha's per-token signatures, as `alpha.observe` writes them (its own test: below).
-    w_uv = [layer.self_attn.v_b_proj.weight.view(model.config.q_heads, model.config.v_dim, -1)
-            if model.config.family == "qk-norm-mla" else layer.self_attn.up_weights()[1] for layer in model.model.layers]
+    w_uv = [latent_model(model).up_weights(i)[1] for i in range(L)]
     sig = latent_value_signatures([stores[i][f"L{i}.c_kv"][:, 0] for i in range(L)], w_uv)[:, None]
     return CacheView([], [], [pos] * L, [protected] * L, torch.tensor(lengths), extra=[{"alpha_sig": sig}] * L,
                      stores=stores, groups=[(layer,) for layer in range(L)], layout=model.config.cache_layout())
