@@ -277,3 +277,32 @@ def test_attach_binds_latent_statistics_and_refuses_what_is_not_derived(tmp_path
     with pytest.raises(RetentionError, match="path-on-MLA"):
         with make_scorer("triattention", stats=str(path)).attach(build_arch("tiny-path-mla")):
             pass
+
+
+def test_scores_on_the_one_runtimes_padded_view_are_per_row(setup):
+    """A view of the one runtime's cache with rows of different lengths (the shorter padded): each
+    row's latent scores equal the per-head reference on that row, and those of the row alone (the
+    padding changes nothing: batch invariance)."""
+    from retention.cache import RetentionCache
+
+    model, latent, stats = setup
+    prefills = [_prefill(model, n, seed) for n, seed in ((20, 0), (26, 1))]
+    cache = RetentionCache.empty_like(prefills[0], rows=2, capacity=32)
+    for row, p in enumerate(prefills):
+        cache.load_row(row, p)
+    view = cache.view([20, 26], sink=1, recent=3)
+    assert not bool(view.valid[0][0, 0, 20:].any()) and bool(view.valid[0][1].all())
+    scorer = _bound("triattention", model, latent, stats)
+    got = scorer.score(view)  # [2, 1, 26]
+    assert bool(torch.isinf(got[0, 0, 20:]).all())
+    keys, qs, inv = materialised(view, latent, stats)
+    want = per_head_reference(view, keys, qs, inv)
+    ok = view.valid[0] & ~view.protected[0]
+    assert (got - want)[ok].abs().max().item() < TOL * want[ok].abs().max().item()
+    keep = scorer.select(got, view, 9)
+    for row, (p, n) in enumerate(zip(prefills, (20, 26))):
+        alone = p.view(n, sink=1, recent=3)
+        single = scorer.score(alone)
+        # equal to rounding (reductions over a padded row may round differently), same kept set
+        assert (single[0, 0] - got[row, 0, :n]).abs().max().item() < 1e-12
+        assert torch.equal(scorer.select(single, alone, 9)[0], keep[row])
