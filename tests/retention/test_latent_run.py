@@ -36,16 +36,18 @@ def _records(out) -> dict[str, list[dict]]:
     return runs
 
 
-@pytest.mark.parametrize("model", ["tiny-mla", "tiny-qk-norm-mla"])
-def test_triattention_and_alpha_run_on_a_latent_cache(tmp_path, model):
+@pytest.mark.parametrize(("model", "routing"), [("tiny-mla", "shared"), ("tiny-qk-norm-mla", "per-layer")])
+def test_triattention_and_alpha_run_on_a_latent_cache(tmp_path, model, routing):
     stats = _calibrate(tmp_path, model)
     out = tmp_path / "out"
     res = CliRunner().invoke(main, ["run", "--model", model, "--scorer", "triattention,alpha,full", "--stats", stats,
-                                    "--budget", "12", "--interval", "4", "--out", str(out), *COMMON])
+                                    "--routing", routing, "--budget", "12", "--interval", "4", "--out", str(out),
+                                    *COMMON])
     assert res.exit_code == 0, res.output
     runs = _records(out)
-    assert len(runs) == 3
-    by_scorer = runs
+    suffix = "/per-layer" if routing == "per-layer" else ""
+    assert sorted(runs) == sorted(["full", "triattention" + suffix, "alpha" + suffix])
+    by_scorer = {k.split("/")[0]: v for k, v in runs.items()}
     for scorer in ("triattention", "alpha"):
         recs = by_scorer[scorer]
         assert len(recs) == 2
