@@ -132,7 +132,7 @@ def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
         reference = ref.kind == "arch" or layout.family == "mla"  # DeepSeek: the reference MLA
     reads = get_scorer_class(scorer).reads if reads is None else reads
     refusal = reads_refusal(scorer, reads, provides(layout, reference),
-                            layout.name if layout is not None else ref.name, reference)
+                            layout.name if layout is not None else ref.name)
     if refusal is not None:
         raise RetentionError(refusal)
 

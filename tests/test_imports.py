@@ -9,10 +9,7 @@ registry loading its modules by name) an edge to every module under `a.` (an ove
 Importing a module also runs its packages' `__init__`; those implicit edges are not counted (every
 module would otherwise sit in a cycle with its package's `__init__`).
 
-`retention/arch/` is checked strictly. Cycles elsewhere are listed in `KNOWN_CYCLES` by the package
-that holds them (other parts of the code are being reworked; issue 20 item 5): the strict-xfail
-test fails as soon as they are all gone, so whoever removes one must remove it from the list, and
-`test_no_new_cycles` fails on any cycle not listed.
+Every cycle fails the test, wherever it is.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import ast
 import warnings
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("retention", "protocol")
@@ -150,20 +146,6 @@ def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
     return sorted(out)
 
 
-# Cycles outside retention/arch found by this scan on 2026-12-01, by the package that holds each
-# (the cycle retention.arch.configs <-> retention.arch.model was removed). A cycle counts as known
-# when all its modules lie in one of these packages, so a new module joining the same cycle does
-# not fail the test, while a cycle reaching outside does.
-KNOWN_CYCLES: dict[str, str] = {
-    "retention.scorers": "the registry: retention/scorers/__init__.py imports every scorer module by name "
-                         "(`_load_all`) and each scorer module imports `register` from retention.scorers",
-}
-
-
-def _known(cycle: tuple[str, ...]) -> bool:
-    return any(all(m == pkg or m.startswith(pkg + ".") for m in cycle) for pkg in KNOWN_CYCLES)
-
-
 def test_scan_sees_function_level_imports():
     """The scanner must catch a cycle closed only inside a function (the old configs <-> model one)."""
     src = "def f():\n    from retention.arch.model import ArchLM\n"
@@ -191,21 +173,9 @@ def test_dynamic_import_targets():
     assert _dynamic_targets(call("importlib.import_module(name)"), known) == set()
 
 
-def test_no_cycle_touches_retention_arch():
-    bad = [c for c in cycles(import_graph()) if any(m.startswith("retention.arch") for m in c)]
-    assert bad == []
-
-
-def test_no_new_cycles():
-    """Every cycle is one of KNOWN_CYCLES (a new one fails here)."""
-    new = [c for c in cycles(import_graph()) if not _known(c)]
-    assert new == []
-
-
-@pytest.mark.xfail(bool(KNOWN_CYCLES), strict=True,
-                   reason="known import cycles outside retention/arch: "
-                          + "; ".join(f"{k} ({v})" for k, v in KNOWN_CYCLES.items()))
 def test_no_import_cycles_anywhere():
+    """No cycle anywhere in `retention/` or `protocol/` (the scorer registry's was the last: the
+    registry now names its modules in `BUILTINS` and no scorer module imports the package)."""
     assert cycles(import_graph()) == []
 
 

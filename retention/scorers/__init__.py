@@ -1,6 +1,7 @@
 """Scorer registry: the public scorer interface, the built-in scorers and plugins.
 
-Built-in scorers are one module each in this package, registering their class by name. Scorers from
+Built-in scorers are one module each in this package, named in `BUILTINS` (name -> module and class,
+loaded on first use; the modules never import this package, so the registry has no import cycle). Scorers from
 outside the package (`package.module:Class`, `path/to/file.py:Class`, or a name installed in the
 entry-point group `retention.scorers`) are resolved by `retention.plugins`. Everything a scorer author
 needs is exported here: `Scorer` (the interface, documented with tensor shapes in
@@ -26,38 +27,24 @@ READS = {
     "calibration": "per-head query statistics from `retention calibrate`",
 }
 
-_REGISTRY: dict[str, type[Scorer]] = {}
-# In the order refusals list the scorers a model can run.
-_MODULES = ("full", "random", "streaming", "h2o", "snapkv", "rkv", "triattention", "alpha")
-# What built-ins whose modules do not declare `reads` read (their modules may declare it instead).
-# (alpha first: it subclasses triattention and must not inherit triattention's default.)
-_DEFAULT_READS = {
-    "alpha": (frozenset({"keys", "values", "calibration"}),),
-    "triattention": (frozenset({"keys", "calibration"}),),
+# name -> (module of this package, class), in the order refusals list the scorers a model can run.
+BUILTINS = {
+    "full": ("full", "Full"),
+    "random": ("random", "RandomScorer"),
+    "streaming": ("streaming", "Streaming"),
+    "h2o": ("h2o", "H2O"),
+    "snapkv": ("snapkv", "SnapKV"),
+    "rkv": ("rkv", "RKV"),
+    "triattention": ("triattention", "TriAttention"),
+    "alpha": ("alpha", "Alpha"),
 }
-_loaded = False
-
-
-def register(name: str):
-    """Class decorator: make a `Scorer` subclass addressable as `--scorer name`."""
-
-    def deco(cls):
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+_REGISTRY: dict[str, type[Scorer]] = {}
 
 
 def _load_all() -> None:
-    global _loaded
-    if not _loaded:
-        for mod in _MODULES:
-            importlib.import_module(f"retention.scorers.{mod}")
-        for name, reads in _DEFAULT_READS.items():
-            if _REGISTRY[name].reads is Scorer.reads:
-                _REGISTRY[name].reads = reads
-        _loaded = True
+    if len(_REGISTRY) < len(BUILTINS):
+        for name, (module, cls) in BUILTINS.items():
+            _REGISTRY[name] = getattr(importlib.import_module(f"retention.scorers.{module}"), cls)
 
 
 def available() -> list[str]:
@@ -103,25 +90,19 @@ def scorer_identity(name: str) -> dict | None:
     return plugin_identity(name)
 
 
-# Kinds a per-head scorer reads that a reference layout model's view does not expose.
-_PER_HEAD = frozenset({"keys", "values", "queries", "calibration"})
-
-
-def reads_refusal(name: str, reads, provides: frozenset[str], cache_name: str, reference: bool) -> str | None:
+def reads_refusal(name: str, reads, provides: frozenset[str], cache_name: str) -> str | None:
     """The one line that refuses scorer `name` (reading one of the alternatives `reads`) on a
-    model that provides `provides` (its cache named `cache_name`; `reference`: a reference layout
-    model), or None when one alternative is provided. It lists the built-ins that would run."""
+    model that provides `provides` (its cache named `cache_name`), or None when one alternative is
+    provided. It names what is missing and lists the built-ins that would run."""
     if any(alt <= provides for alt in reads):
         return None
     _load_all()
-    usable = [n for n in _MODULES if any(alt <= provides for alt in _REGISTRY[n].reads)]
-    if reference and all(alt & _PER_HEAD for alt in reads):
-        what = "it scores per-head post-RoPE keys, which a latent or shared-storage cache does not store"
-    else:
-        alt = min(reads, key=lambda a: (len(a - provides), sorted(a)))
-        what = (f"it reads {', '.join(sorted(alt))}, and {', '.join(sorted(alt - provides))} is not provided "
-                f"(the model provides {', '.join(sorted(provides))})")
-    return f"{name} cannot score the {cache_name} cache: {what}; use {', '.join(usable)}"
+    usable = [n for n in BUILTINS if any(alt <= provides for alt in _REGISTRY[n].reads)]
+    wanted = " or ".join(" + ".join(sorted(alt)) for alt in reads)
+    closest = min(reads, key=lambda a: (len(a - provides), sorted(a)))
+    return (f"{name} cannot score the {cache_name} cache: it reads {wanted}, and this model provides "
+            f"{', '.join(sorted(provides))} ({', '.join(sorted(closest - provides))} missing); "
+            f"use {', '.join(usable)}")
 
 
 def make_scorer(name: str, **params) -> Scorer:
@@ -140,5 +121,5 @@ def make_scorer(name: str, **params) -> Scorer:
         raise RetentionError(f"scorer plugin {name!r} failed to construct: {type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["READS", "reads_refusal", "CacheView", "Scorer", "WindowScorer", "register", "available", "get_scorer_class", "make_scorer",
+__all__ = ["READS", "reads_refusal", "CacheView", "Scorer", "WindowScorer", "available", "get_scorer_class", "make_scorer",
            "scorer_identity", "is_builtin", "topk_keep"]

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from retention.cache import CacheView
 from retention.errors import RetentionError
-from retention.scorers import register
 from retention.scorers.triattention import TriAttention
 
 
@@ -87,12 +86,13 @@ def facility_location_keep(scores: torch.Tensor, signatures: torch.Tensor, prote
     return torch.sort(picks, dim=-1).values
 
 
-@register("alpha")
 @dataclass
 class Alpha(TriAttention):
     """TriAttention scores with facility-location selection. Parameters: `lam` (redundancy weight,
     default 0.5), `radius` (cosine below which no penalty applies, default 0), plus `stats` and
     `routing` as for `triattention`. Protects nothing by default."""
+
+    name: ClassVar[str] = "alpha"
 
     # Per-head keys and values, or an MLA latent (with the model's up-projections), and the statistics.
     reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"keys", "values", "calibration"}),

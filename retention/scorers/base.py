@@ -41,9 +41,8 @@ padding never kept, rows independent of each other (batch invariance: a row's sc
 only on that row and its own slot's state), deterministic given the per-sequence seed
 (`reset_slot`), and no host reads in `observe`.
 
-Adding a scorer: a built-in is one module in this package with a class decorated by
-`@register("name")`, listed in `retention.scorers._MODULES`; a plugin lives in your own code and is
-named `package.module:Class`, `path/to/file.py:Class` or by an entry point of group
+Adding a scorer: a built-in is one module in this package whose class sets `name`, listed in
+`retention.scorers.BUILTINS` (name -> module, class); a plugin lives in your own code and is named `package.module:Class`, `path/to/file.py:Class` or by an entry point of group
 `retention.scorers` (`retention.plugins`, docs/plugins.md).
 """
 

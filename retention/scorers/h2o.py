@@ -25,12 +25,12 @@ instead (protected through `min_recent`, like the other window scorers).
 
 from __future__ import annotations
 
+from typing import ClassVar
 from dataclasses import dataclass
 
 import torch
 
 from retention.cache import CacheView
-from retention.scorers import register
 from retention.scorers.base import WindowScorer, topk_keep
 
 # Queries per block when a long prefill is scored: bounds the [B, G, r, q, n] probability tensor.
@@ -85,7 +85,6 @@ def heavy_recent_keep(mass: torch.Tensor, valid: torch.Tensor, protected: torch.
     return topk_keep(scores, (protected | recent_mask(valid, recent)) & valid, k)
 
 
-@register("h2o")
 @dataclass
 class H2O(WindowScorer):
     """Heavy hitters + recent tokens. Parameter: `window` (recent tokens; default None: half the
@@ -94,6 +93,8 @@ class H2O(WindowScorer):
     The accumulator is per-token state stored in the cache itself (`RetentionCache.add_extra`,
     `[S, G, cap]` float32 per layer), so it follows every compaction, row move and slot refill
     exactly like the keys, and a new token's entry starts at zero."""
+
+    name: ClassVar[str] = "h2o"
 
     EXTRA = "h2o_mass"
     reads = (frozenset({"queries", "keys"}), frozenset({"attention"}))

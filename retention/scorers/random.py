@@ -4,16 +4,16 @@ On the per-layer K/V layout of a transformers model one draw is shared by every 
 reference layout model each eviction (sharing) group draws its own subset, group after group."""
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from retention.scorers import register
 from retention.scorers.base import Scorer, topk_keep
 
 
-@register("random")
 @dataclass
 class RandomScorer(Scorer):
+    name: ClassVar[str] = "random"
     seed: int = 0
     _gens: dict = field(default_factory=dict, init=False, repr=False)  # slot -> torch.Generator
 

@@ -27,13 +27,13 @@ plus the window. Reference defaults: window 8, kernel 7, interval 128.
 
 from __future__ import annotations
 
+from typing import ClassVar
 from dataclasses import dataclass
 
 import torch
 
 from retention.cache import CacheView
 from retention.errors import RetentionError
-from retention.scorers import register
 from retention.scorers.snapkv import SnapKV
 
 
@@ -66,11 +66,12 @@ def rkv_scores(importance: torch.Tensor, redundancy: torch.Tensor, candidates: t
     return (lam * importance - (1.0 - lam) * redundancy).masked_fill(~candidates, float("-inf"))
 
 
-@register("rkv")
 @dataclass
 class RKV(SnapKV):
     """R-KV. Parameters: `lam` (importance weight, default 0.1), `window` (default 8), `kernel`
     (default 7), `threshold` (near-duplicate cosine, default 0.5)."""
+
+    name: ClassVar[str] = "rkv"
 
     reads = (frozenset({"queries", "keys"}),)
     lam: float = 0.1

@@ -33,6 +33,7 @@ the `w` newest tokens (`min_recent`), so the budget accounting counts the window
 
 from __future__ import annotations
 
+from typing import ClassVar
 import contextlib
 from dataclasses import dataclass, field
 
@@ -41,7 +42,6 @@ import torch.nn.functional as F
 
 from retention.cache import CacheView
 from retention.errors import RetentionError
-from retention.scorers import register
 from retention.scorers.base import WindowScorer
 
 
@@ -86,12 +86,13 @@ def window_importance(queries: torch.Tensor, keys: torch.Tensor, candidates: tor
 RULES = ("head", "group")
 
 
-@register("snapkv")
 @dataclass
 class SnapKV(WindowScorer):
     """Decode-time SnapKV. Parameters: `window` (recent queries and protected tokens, default 8),
     `kernel` (max-pool width, odd, default 7), `rule` (`head` or `group`, module doc; default: what
     the model provides)."""
+
+    name: ClassVar[str] = "snapkv"
 
     EXTRA = "snapkv_window"
     reads = (frozenset({"queries", "keys"}), frozenset({"attention"}))

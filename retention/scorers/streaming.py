@@ -1,14 +1,14 @@
 """`streaming` (StreamingLLM, Xiao et al. 2023): `sink` first tokens plus the most recent ones."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from retention.scorers import register
 from retention.scorers.base import Scorer
 
 
-@register("streaming")
 @dataclass
 class Streaming(Scorer):
+    name: ClassVar[str] = "streaming"
     default_sink = 4
 
     def score(self, view):

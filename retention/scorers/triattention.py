@@ -48,7 +48,6 @@ import torch
 from retention.cache import CacheView
 from retention.calibration import QueryStats, load_stats, rotary_inv_freq
 from retention.errors import RetentionError
-from retention.scorers import register
 from retention.scorers.base import Scorer
 from retention.scorers.frequency import OFFSETS, STD_FLOOR, future_phase, zscore_group_max, zscore_rows
 from retention.scorers.latent import LatentScoring, holds_latent
@@ -124,11 +123,12 @@ def global_union_keep(z: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Ten
     return torch.sort(torch.topk(combined, k, dim=-1).indices, dim=-1).values
 
 
-@register("triattention")
 @dataclass
 class TriAttention(Scorer):
     """Query-free top-k per KV head. Parameters: `stats` (statistics file; default: the model's
     default location), `routing` (`shared` | `per-layer`). Protects nothing by default."""
+
+    name: ClassVar[str] = "triattention"
 
     # Per-head post-RoPE keys, or an MLA latent (with the model's up-projections), and the statistics.
     reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"keys", "calibration"}),

@@ -61,7 +61,8 @@ def test_a_keys_plugin_is_refused_on_a_shared_store_and_runs_on_transformers(tmp
     res = _run(tmp_path, "tiny-cla", f"{path}:KeyMean")
     lines = res.output.strip().splitlines()
     assert res.exit_code == 1 and len(lines) == 1, res.output
-    assert lines[0].startswith(f"Error: {path}:KeyMean cannot score the tiny-cla cache: it scores per-head")
+    assert lines[0].startswith(f"Error: {path}:KeyMean cannot score the tiny-cla cache: it reads keys, and this model provides "
+                               "attention, positions (keys missing)")
     assert not (tmp_path / "out").exists()
     ok = _run(tmp_path, "tiny-random", f"{path}:KeyMean")
     assert ok.exit_code == 0, ok.output
@@ -71,11 +72,14 @@ def test_a_refusal_names_what_is_missing():
     from retention.engine import TRANSFORMERS_PROVIDES
     from retention.scorers import reads_refusal
 
-    line = reads_refusal("x", (frozenset({"positions", "latent"}),), TRANSFORMERS_PROVIDES, "tiny-random", False)
-    assert line.startswith("x cannot score the tiny-random cache: it reads latent, positions, and latent is not "
-                           "provided") and line.endswith("; use full, random, streaming, h2o, snapkv, rkv, "
-                                                         "triattention, alpha")
-    assert reads_refusal("x", (frozenset({"latent"}), frozenset({"keys"})), TRANSFORMERS_PROVIDES, "m", False) is None
+    line = reads_refusal("x", (frozenset({"positions", "latent"}),), TRANSFORMERS_PROVIDES, "tiny-random")
+    assert line == ("x cannot score the tiny-random cache: it reads latent + positions, and this model provides "
+                    "calibration, keys, positions, queries, values (latent missing); use full, random, streaming, "
+                    "h2o, snapkv, rkv, triattention, alpha")
+    two = reads_refusal("x", (frozenset({"latent", "calibration"}), frozenset({"keys", "calibration"})),
+                        frozenset({"positions", "attention"}), "tiny-cla")
+    assert "it reads calibration + latent or calibration + keys" in two and "(calibration, keys missing)" in two
+    assert reads_refusal("x", (frozenset({"latent"}), frozenset({"keys"})), TRANSFORMERS_PROVIDES, "m") is None
 
 
 def test_snapkv_rule_is_recorded_only_when_set():
@@ -99,4 +103,4 @@ def test_check_scorer_refuses_what_its_model_does_not_provide(tmp_path):
     path.write_text(KEYS.replace("KeyMean", "LatentMean").replace('{"keys"}', '{"latent"}'))
     (result,) = run_checks(f"{path}:LatentMean", share=False)
     assert result.name == "set-up" and result.ok is False
-    assert "cannot score the tiny-random cache: it reads latent, and latent is not provided" in result.detail
+    assert "cannot score the tiny-random cache: it reads latent, and this model provides calibration, keys, positions, queries, values (latent missing)" in result.detail
