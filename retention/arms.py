@@ -22,7 +22,7 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
 
     Returns (config, params, cadence): params are what the scorer is constructed with (a statistics
     path); the config records the same parameters with the statistics named by their sha256."""
-    from retention.policy import cadence_for
+    from retention.runtime.policy import cadence_for
     from retention.scorers import get_scorer_class, make_scorer, scorer_identity
 
     cls = get_scorer_class(scorer)
@@ -57,7 +57,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
     sha256, so that the configuration hash names the statistics and not just a path."""
     import hashlib
 
-    from retention.calibration import default_stats_path
+    from retention.scorers.calibration import default_stats_path
 
     resolved = Path(path) if path else default_stats_path(model)
     if not resolved.is_file():
@@ -118,10 +118,10 @@ def _number(cfg: dict, key: str, kind, flag: str, *, lo=None, hi=None, lo_open=F
 
 def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
     """Refuse, in one line naming what is missing, a scorer (built-in or plugin) that reads what
-    the model does not provide (`Scorer.reads` against `retention.engine.provides`): before any
+    the model does not provide (`Scorer.reads` against `retention.runtime.engine.provides`): before any
     model is loaded (the layout of a reference layout model or a DeepSeek checkpoint comes from
     its configuration)."""
-    from retention.adapter import provides
+    from retention.runtime.adapter import provides
     from retention.scorers import get_scorer_class, reads_refusal
 
     layout, reference = None, False
@@ -231,7 +231,7 @@ def validate_arm(cfg: dict):
 
 def check_stats_file(path: Path) -> None:
     """Read a statistics file now: one that is not statistics fails here, not mid-run."""
-    from retention.calibration_latent import read_stats_file
+    from retention.scorers.calibration_latent import read_stats_file
 
     try:
         read_stats_file(path)  # per-head or latent (MLA) statistics

@@ -30,7 +30,7 @@ REFERENCE_VARIANTS = (DYNAMIC, IDEAL)
 
 
 def _policy(scorer: str, budget: int | None, interval: int | None, accounting: str, params: dict):
-    from retention.policy import RetentionPolicy, cadence_for
+    from retention.runtime.policy import RetentionPolicy, cadence_for
     from retention.scorers import make_scorer
 
     sc = make_scorer(scorer, **params)
@@ -55,7 +55,7 @@ class _EngineStepper:
     """A scorer variant: the batched engine on `S` copies of the prompt."""
 
     def __init__(self, loaded, prompt, scorer, budget, interval, accounting, params, S, new_tokens):
-        from retention.engine import Engine, Request, SamplingConfig
+        from retention.runtime.engine import Engine, Request, SamplingConfig
 
         self.name, self.accounting, self.model = scorer, accounting, loaded.model
         self.policy = _policy(scorer, budget, interval, accounting, params)
@@ -98,7 +98,7 @@ class _DynamicStepper:
     def __init__(self, loaded, prompt, S, crop: int | None):
         from transformers import DynamicCache
 
-        from retention.engine import cache_kwarg
+        from retention.runtime.engine import cache_kwarg
 
         self.name, self.accounting = (DYNAMIC if crop is None else IDEAL), None
         self.model, self.crop, self.kw = loaded.model, crop, cache_kwarg(loaded.model)
@@ -197,7 +197,7 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
 
     scorers may include the reference variants `dynamic-cache` and `ideal-crop`; contexts: `None` =
     the first dev problem's prompt, an int = that many tokens of real text."""
-    from retention.generate import SamplingConfig, generate
+    from retention.runtime.generate import SamplingConfig, generate
     from retention.models import format_prompt
     from retention.runner import library_versions
 

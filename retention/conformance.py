@@ -274,8 +274,8 @@ def tri_z_tolerance(raw: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
 def _tri_class_check(p, t, res, keys, qm, b, prefix, agg_tol) -> None:
     """The `triattention` scorer class itself on this case, when the case uses its fixed
     configuration (the 17 default offsets, unit frequency weights, no pinned prefix)."""
-    from retention.cache import CacheView
-    from retention.calibration import QueryStats
+    from retention.runtime.cache import CacheView
+    from retention.scorers.calibration import QueryStats
     from retention.scorers.triattention import OFFSETS, TriAttention
 
     scale = t.get("freq_scale_sq")
@@ -301,7 +301,7 @@ def _classes(t: dict, cls: str, quota: str):
 def _window_case(p: dict, t: dict):
     """Inputs common to SnapKV and R-KV: keys `[1, G, n, d]`, queries `[1, H, w, d]`, the candidate
     mask (the first n - w slots), the logit scale, and a `CacheView` of the case (positions = slots)."""
-    from retention.cache import CacheView
+    from retention.runtime.cache import CacheView
 
     keys, queries = t["keys"].float(), t["window_queries"].float()
     _, G, n, d = keys.shape
@@ -373,7 +373,7 @@ def _check_rkv(p: dict, t: dict, res: CaseResult) -> None:
 def _check_h2o(p: dict, t: dict, res: CaseResult) -> None:
     """Stateful: the `h2o` scorer accumulates over the prefill and `T` decode steps, evicting
     whenever the cache holds more than `hh + recent` slots, on its own kept cache."""
-    from retention.cache import CacheView
+    from retention.runtime.cache import CacheView
     from retention.scorers.h2o import H2O, attention_mass
 
     q, k = t["queries"].float(), t["keys"].float()  # [1, H, N, d]

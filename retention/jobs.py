@@ -16,7 +16,7 @@ def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: fl
     """The token budget: --budget, or --budget-bytes converted through the model's cache layout."""
     if budget_kib is None:
         return budget
-    from retention.layouts import tokens_for_bytes
+    from retention.models.layouts import tokens_for_bytes
     from retention.models import model_layout
 
     if budget is not None:
@@ -37,9 +37,9 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
             splits_dir=None, engine="hf", dataset="math500"):
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
-    shard: a `retention.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
-    project's `retention.engine`: a DeepSeek-V2/V3 checkpoint always decodes there on the reference
-    MLA, `retention.arch.deepseek`) or an external engine of `retention.engines` (non-evicting arms only).
+    shard: a `retention.scale.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
+    project's `retention.runtime.engine`: a DeepSeek-V2/V3 checkpoint always decodes there on the reference
+    MLA, `retention.models.arch.deepseek`) or an external engine of `retention.engines` (non-evicting arms only).
     batch_size: sequences decoded together; None chooses one for the device and budget (printed).
     It is not part of the configuration hash: records do not depend on it (batch invariance), so a
     run resumes at any batch size; each record notes the batch size it was decoded in.
@@ -47,7 +47,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     its whole set, and that is recorded in the exploration registry (`protocol.exploration`).
     The model's prompt style goes into each configuration as `prompt` unless it is "chat"."""
     from protocol.splits import run_problems
-    from retention.merge import open_shard_run
+    from retention.scale.merge import open_shard_run
     from retention.models import load_model
     from retention.runner import Arm, auto_batch_size, run_arms
 
@@ -64,7 +64,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
                                    sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
                                    extra_config=extra_config, shard=shard)
-    from retention.arch.deepseek import on_reference_mla
+    from retention.models.arch.deepseek import on_reference_mla
 
     loaded = on_reference_mla(load_model(model, dtype=dtype, device=device))
     arms = []

@@ -21,7 +21,7 @@ run directory. Two things are not reachable from the command line and are done h
 * float64: `--dtype` offers float32/bfloat16/float16; `retention.dtypes.DTYPES` is extended with
   float64 while recording (nothing else changes; the model builders accept any dtype).
 * kept sets: no record holds them. A hook wraps the cache compactions (`RetentionCache.compact_rows`,
-  the one cache of transformers and layout models; before issue 20 also `retention.arch.retention.compact`
+  the one cache of transformers and layout models; before issue 20 also `retention.models.arch.retention.compact`
   of the layout models' own cache) and, after each, reads the compacted rows' absolute positions. A kept set is stored canonically, independent of how
   a runtime groups its stores: per layer (a sharing group's set repeated for each layer that reads
   it), per eviction head, sorted positions; each (compaction, row) event is stored as the kept count
@@ -86,7 +86,7 @@ def _event(per_layer: list[list[list[int]]]) -> list:
 @contextlib.contextmanager
 def _compaction_hooks(events: list):
     """Append `[kept count, digest]` to `events` for every row every compaction leaves compacted."""
-    from retention.cache import RetentionCache
+    from retention.runtime.cache import RetentionCache
 
     plain_compact_rows = RetentionCache.compact_rows
 
@@ -199,8 +199,8 @@ def _base(model: str, scorer: str, stats: str | None = None) -> dict:
 def _stats_file(model: str, out: Path) -> str:
     """Calibration statistics of `model` (float64) on a fixed text, as `retention calibrate` writes them
     (per-head, or latent for an MLA model)."""
-    from retention.calibration import calibrate
-    from retention.calibration_latent import calibrate_latent, latent_model
+    from retention.scorers.calibration import calibrate
+    from retention.scorers.calibration_latent import calibrate_latent, latent_model
     from retention.models import load_model
 
     loaded = load_model(model, dtype=DTYPE, device="cpu")

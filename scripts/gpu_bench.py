@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from retention.calibration import calibrate  # noqa: E402
-from retention.engine import Engine, Request, SamplingConfig  # noqa: E402
-from retention.policy import RetentionPolicy, cadence_for  # noqa: E402
+from retention.scorers.calibration import calibrate  # noqa: E402
+from retention.runtime.engine import Engine, Request, SamplingConfig  # noqa: E402
+from retention.runtime.policy import RetentionPolicy, cadence_for  # noqa: E402
 from retention.scorers import make_scorer  # noqa: E402
 
 SHAPE = dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, head_dim=128,

@@ -11,10 +11,10 @@ import argparse
 
 import torch
 
-from retention.arch.bench import DEFAULT_STEPS, STUDY_BATCH, STUDY_CONTEXTS, step_times
-from retention.arch.configs import TINY
-from retention.arch.model import build_arch
-from retention.generate import decode
+from retention.models.arch.bench import DEFAULT_STEPS, STUDY_BATCH, STUDY_CONTEXTS, step_times
+from retention.models.arch.configs import TINY
+from retention.models.arch.model import build_arch
+from retention.runtime.generate import decode
 
 
 def measured_bytes(tokens: int = 24) -> None:
@@ -45,7 +45,7 @@ def kl_at_matched_bytes(kib: float = 32.0, length: int = 128, prompt: int = 32) 
 
 
 def step_time(contexts=STUDY_CONTEXTS, batch: int = STUDY_BATCH, steps: int = DEFAULT_STEPS) -> None:
-    """The step-time table of `retention bench --layouts mha,gqa,mqa,mla` (`retention.arch.bench`)."""
+    """The step-time table of `retention bench --layouts mha,gqa,mqa,mla` (`retention.models.arch.bench`)."""
     names = ["mha", "gqa", "mqa", "mla"]
     rows = step_times(names, list(contexts), [batch], steps=steps, dtype="bfloat16", echo=lambda _: None)
     print(f"\ndecode step time (ms), batch {batch}, bfloat16, random weights, {torch.get_num_threads()} threads "

@@ -148,20 +148,20 @@ def cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
 
 def test_scan_sees_function_level_imports():
     """The scanner must catch a cycle closed only inside a function (the old configs <-> model one)."""
-    src = "def f():\n    from retention.arch.model import ArchLM\n"
+    src = "def f():\n    from retention.models.arch.model import ArchLM\n"
     tree = ast.parse(src)
-    assert _imports(tree, "retention.arch.configs", False, {"retention.arch.model", "retention.arch.configs"}) == {
-        "retention.arch.model"}
+    assert _imports(tree, "retention.models.arch.configs", False, {"retention.models.arch.model", "retention.models.arch.configs"}) == {
+        "retention.models.arch.model"}
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [("a", "b", "c")]
-    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import retention.arch.model\n"
-    assert _imports(ast.parse(guarded), "x", False, {"retention.arch.model"}) == set()
+    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import retention.models.arch.model\n"
+    assert _imports(ast.parse(guarded), "x", False, {"retention.models.arch.model"}) == set()
 
 
 def test_graph_covers_the_packages():
     graph = import_graph()
-    assert "retention.arch.model" in graph and "protocol.io" in graph
-    assert "retention.arch.configs" in graph["retention.arch.model"]
+    assert "retention.models.arch.model" in graph and "protocol.io" in graph
+    assert "retention.models.arch.configs" in graph["retention.models.arch.model"]
     assert "retention.scorers.h2o" in graph["retention.scorers"]  # followed through import_module(f"...")
 
 

@@ -10,9 +10,9 @@ import click
 
 def _layout_for(target: str, dtype: str):
     """A documented layout name, a tiny architecture name, a config.json file, or a model."""
-    from retention.arch.configs import TINY
+    from retention.models.arch.configs import TINY
     from retention.errors import RetentionError
-    from retention.layouts import DOCUMENTED, layout_from_config
+    from retention.models.layouts import DOCUMENTED, layout_from_config
     from retention.models import model_layout
 
     if target in DOCUMENTED:
@@ -34,7 +34,7 @@ def _layout_for(target: str, dtype: str):
 def audit_record(layout, context: int, batch: int) -> dict:
     """The audit of one layout: its summary, the documented parameter count where there is one,
     and the cache at `context` tokens x `batch` sequences."""
-    from retention.arch.model import documented_parameters
+    from retention.models.arch.model import documented_parameters
 
     record = layout.as_dict()
     record.update(documented_parameters(layout.name))
@@ -58,7 +58,7 @@ def audit_command(targets, dtype, context, batch, per_layer, as_json):
     (tiny-mla, ...), config.json files or models. Sizes count the compressed representation (what
     must be kept per token), not allocated buffers.
     """
-    from retention.layouts import DOCUMENTED
+    from retention.models.layouts import DOCUMENTED
 
     layouts = [_layout_for(t, dtype) for t in (targets or DOCUMENTED)]
     records = [audit_record(layout, context, batch) for layout in layouts]

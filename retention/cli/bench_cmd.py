@@ -1,5 +1,5 @@
 """`retention bench`: speed, compaction cost, measured cache and agreement figures as JSON; with
-`--layouts`, decode step time against context for the study's 124M layouts (`retention.arch.bench`)."""
+`--layouts`, decode step time against context for the study's 124M layouts (`retention.models.arch.bench`)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
                              f"generate with `retention run --model {model}`")
     from protocol.splits import load_split
     from retention.bench import REFERENCE_VARIANTS, run_bench
-    from retention.cadence import ACCOUNTING_MODES
+    from retention.runtime.cadence import ACCOUNTING_MODES
     from retention.jobs import budget_from_bytes
     from retention.models import load_model
     from retention.scorers import get_scorer_class
@@ -95,7 +95,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     if lam is not None and lam != lam:  # click's FloatRange lets nan through
         raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
     from retention.scorer_options import resolve
-    from retention.policy import cadence_for
+    from retention.runtime.policy import cadence_for
     from retention.scorers import make_scorer
 
     scorer_names = [n for n in names if n not in REFERENCE_VARIANTS]
@@ -127,8 +127,8 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
 
 
 def _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, threads, out) -> None:
-    """`--layouts`: validate, then time (`retention.arch.bench.run_layout_bench`)."""
-    from retention.arch import bench
+    """`--layouts`: validate, then time (`retention.models.arch.bench.run_layout_bench`)."""
+    from retention.models.arch import bench
     from retention.models import resolve_device
 
     names = bench.parse_layouts(layouts)

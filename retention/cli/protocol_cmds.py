@@ -238,8 +238,8 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
     if shard_text is not None:
-        from retention.confirm_shard import generate_confirm_shard
-        from retention.shard import parse_shard
+        from retention.scale.confirm_shard import generate_confirm_shard
+        from retention.scale.shard import parse_shard
 
         if spec is not None and spec != plan.get("runner", prereg.DEFAULT_RUNNER_SPEC):
             raise click.ClickException(f"--runner {spec} is not the plan's registered runner: --shard generates "

@@ -125,7 +125,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     if split == "confirm":
         raise RetentionError("the confirm split is reachable only through a pre-registered plan: "
                              "`retention preregister` then `retention confirm --plan PLAN.json`")
-    from retention.shard import parse_shard
+    from retention.scale.shard import parse_shard
 
     shard = parse_shard(shard_text)
     names = _scorer_list(scorers)
@@ -168,7 +168,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     cpus_per_shard = 1.0 if cpus_per_shard is None else cpus_per_shard
     retries = 3 if retries is None else retries
     if ray_address is not None or shards is not None:
-        from retention.launch_ray import ray_options
+        from retention.scale.ray import ray_options
 
         ray_opts = ray_options(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
                                cpus_per_shard=cpus_per_shard, retries=retries, shard=shard)
@@ -176,7 +176,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     _announce_size(arm_specs, split if dataset == "math500" else dataset, data_path, limit, samples, max_new_tokens,
                    device)
     if ray_opts is not None:
-        from retention.launch_ray import launch_from_cli
+        from retention.scale.ray import launch_from_cli
 
         run_dirs = launch_from_cli(job, ray_opts, progress=not quiet)
         shard = None  # merged

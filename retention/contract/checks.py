@@ -34,7 +34,7 @@ import torch
 
 from retention.contract.probe import MAX_NOTES, CheckedPolicy, Probe, count_host_reads
 from retention.errors import RetentionError
-from retention.policy import RetentionPolicy
+from retention.runtime.policy import RetentionPolicy
 
 BUDGET, INTERVAL, NEW_TOKENS = 20, 4, 24
 # Twelve prompts of 13..69 tokens (eight lengths), so rows are padded, compact at prefill or not, and
@@ -59,7 +59,7 @@ def _stats_for(params: dict, spec: str, model, tmp: Path) -> dict:
 
     if "stats" not in scorer_fields(spec) or params.get("stats"):
         return params
-    from retention.calibration import calibrate
+    from retention.scorers.calibration import calibrate
 
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
     return dict(params, stats=str(calibrate(model, ids).save(tmp / "tiny.safetensors")))
@@ -78,14 +78,14 @@ class _Kit:
         self.make = lambda: make_scorer(spec, **self.params)  # noqa: E731
         self.m64 = copy.deepcopy(self.loaded.model).to(torch.float64)
         self.sc0 = self.make()
-        from retention.policy import cadence_for
+        from retention.runtime.policy import cadence_for
 
         self.cadence = cadence_for(self.sc0, BUDGET, INTERVAL)
 
     def decode(self, batch_size: int, eos=frozenset(), checks=True, scorer=None, new_tokens=NEW_TOKENS):
         """One engine run over PROMPTS: ({seed: Generation}, probe, policy, engine stats)."""
-        from retention.engine import Request, SamplingConfig, run_engine
-        from retention.policy import RetentionPolicy
+        from retention.runtime.engine import Request, SamplingConfig, run_engine
+        from retention.runtime.policy import RetentionPolicy
 
         probe = Probe(scorer or self.make(), checks=checks)
         policy = (CheckedPolicy if checks else RetentionPolicy)(probe, self.cadence)
@@ -229,7 +229,7 @@ class _PaddingPolicy(RetentionPolicy):
 
 def _padded_views(kit: _Kit) -> Probe:
     """A batch-8 decode whose policy also offers the scorer padded views (`_PaddingPolicy`)."""
-    from retention.engine import Request, SamplingConfig, run_engine
+    from retention.runtime.engine import Request, SamplingConfig, run_engine
 
     probe = Probe(kit.make())
     if not kit.sc0.evicts:
@@ -307,8 +307,8 @@ def _resume(kit: _Kit) -> CheckResult:
 def _host_reads(kit: _Kit) -> CheckResult:
     """The scorer's per-forward hook reads nothing on the host; the rest is reported."""
     def decode():
-        from retention.engine import Request, SamplingConfig, run_engine
-        from retention.policy import RetentionPolicy
+        from retention.runtime.engine import Request, SamplingConfig, run_engine
+        from retention.runtime.policy import RetentionPolicy
 
         probe = Probe(kit.make(), checks=False)
         reqs = [Request(i, p, i) for i, p in enumerate(PROMPTS)]
@@ -331,8 +331,8 @@ def _share(kit: _Kit, context: int, budget: int, tokens: int) -> CheckResult:
     prompt cut to b) is not decode time and is left out of both figures."""
     import time
 
-    from retention.engine import Engine, Request, SamplingConfig
-    from retention.policy import RetentionPolicy, cadence_for
+    from retention.runtime.engine import Engine, Request, SamplingConfig
+    from retention.runtime.policy import RetentionPolicy, cadence_for
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (context,), generator=g).tolist()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retention.policy import RetentionPolicy
+from retention.runtime.policy import RetentionPolicy
 
 MAX_NOTES = 3  # violations quoted per check
 

@@ -46,7 +46,7 @@ def full_cache_meter(prompt_tokens: int, output_tokens: int, kib_per_token: floa
     """The `BudgetMeter` this project's engine fills for a full-cache generation: prefill of the
     prompt, then one decode step per generated token but the last, each attending to one more
     token. Fed step by step (integers, no tensors) so that summary and trace are identical."""
-    from retention.meter import BudgetMeter
+    from retention.runtime.meter import BudgetMeter
 
     meter = BudgetMeter(kib_per_token=kib_per_token, budget=None)
     meter.record_prefill([prompt_tokens])
@@ -88,7 +88,7 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
 
     from retention.models import format_prompt, output_text
     from retention.runner import derive_seed
-    from retention.shard import shard_pairs
+    from retention.scale.shard import shard_pairs
 
     grader = None
     if grade:

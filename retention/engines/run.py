@@ -25,7 +25,7 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
 
     from retention.engines import engine_factory
     from retention.engines.base import refuse_evicting, run_engine_arms
-    from retention.merge import open_shard_run
+    from retention.scale.merge import open_shard_run
     from retention.models import CacheGeometry, prompt_style
     from retention.runner import Arm
 

@@ -14,7 +14,7 @@ Every model the harness runs comes through `load_model(name, dtype, device, revi
 * any local folder holding a `config.json` (a `save_pretrained` output or a hub snapshot).
 
 The returned `LoadedModel` carries the model (eval mode, SDPA attention), its tokenizer, where it
-came from (`model_id`, `revision`) and its `CacheLayout` (`retention.layouts`): what one cached
+came from (`model_id`, `revision`) and its `CacheLayout` (`retention.models.layouts`): what one cached
 token costs.
 
 One module per job: `aliases` (names), `loading` (dtype/device, `load_model`), `weights_cache`
@@ -24,7 +24,7 @@ its tokenizer), `prompts` (chat-template formatting per prompt style). Everythin
 """
 
 from retention.dtypes import DTYPES, dtype_name, resolve_dtype
-from retention.layouts import DEFAULT_ROPE_THETA, CacheGeometry, CacheLayout
+from retention.models.layouts import DEFAULT_ROPE_THETA, CacheGeometry, CacheLayout
 from retention.models.aliases import (
     ALIASES,
     SMOLLM2_GGUF_NAME,

@@ -20,7 +20,7 @@ class ModelAlias:
 
     `kind` says how it loads: `hub` (a hub id, `source`), `gguf` (a GGUF file shipped in the Python
     package `source`), `parts` (a GGUF split across packages, `SPLIT_GGUFS[source]`), `random` (built
-    in code), `arch` (a seeded random reference model of one cache layout family, `retention.arch`,
+    in code), `arch` (a seeded random reference model of one cache layout family, `retention.models.arch`,
     built in code). `note` is the one-line description for `--help`; `prompt` its prompt style.
     """
 
@@ -82,7 +82,7 @@ ALIASES: dict[str, ModelAlias] = {
                                         "from data packages (`make install-real-models`; CPU)")
        for name in SPLIT_GGUFS},
     "tiny-random": ModelAlias("random", "qwen2", "seeded random 4-layer Qwen2, for tests"),
-    # The reference models of the cache layouts (`retention.arch.configs.TINY`; a test checks the two
+    # The reference models of the cache layouts (`retention.models.arch.configs.TINY`; a test checks the two
     # lists agree). Listed here, not imported, so that resolving a name stays import-free.
     **{f"tiny-{family}": ModelAlias("arch", f"tiny-{family}", f"seeded random 4-layer reference model, {note}")
        for family, note in (

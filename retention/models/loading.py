@@ -13,7 +13,7 @@ import torch
 
 from retention.dtypes import dtype_name, resolve_dtype
 from retention.errors import RetentionError
-from retention.layouts import CacheLayout, layout_from_config
+from retention.models.layouts import CacheLayout, layout_from_config
 from retention.models.aliases import SPLIT_GGUFS, TINY_RANDOM_SEED, ModelRef, resolve_model
 from retention.models.prompts import prompt_style
 from retention.models.tiny import build_tiny_random, build_tiny_tokenizer
@@ -115,7 +115,7 @@ def load_model(
         model = model.to(device=device, dtype=torch_dtype)
         model_id, resolved_revision = "tiny-random", f"random-seed-{seed}"
     elif ref.kind == "arch":
-        from retention.arch.model import build_arch
+        from retention.models.arch.model import build_arch
 
         model, tokenizer = build_arch(ref.source, seed, torch_dtype).to(device), build_tiny_tokenizer()
         model_id, resolved_revision = ref.source, f"random-seed-{seed}"
@@ -169,7 +169,7 @@ def _gguf_model_id(ref: ModelRef) -> str:
 
 def _layout_of(model, torch_dtype: torch.dtype) -> CacheLayout:
     """A reference layout model knows its layout; a transformers model's follows from its config."""
-    from retention.arch.model import is_arch_model
+    from retention.models.arch.model import is_arch_model
 
     if is_arch_model(model):
         return model.config.cache_layout().with_dtype(torch_dtype)
@@ -281,7 +281,7 @@ def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayou
     the documented layout of an aliased model, a GGUF header, or the config of `tiny-random`."""
     import json
 
-    from retention.layouts import DOCUMENTED
+    from retention.models.layouts import DOCUMENTED
 
     ref = resolve_model(name)
     if ref.kind == "local":
@@ -299,7 +299,7 @@ def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayou
 
         return layout_from_config(gguf_config(Path(ref.source)), dtype)
     if ref.kind == "arch":
-        from retention.arch.configs import TINY
+        from retention.models.arch.configs import TINY
 
         return TINY[ref.source].cache_layout().with_dtype(dtype)
     return DOCUMENTED[ref.name].with_dtype(dtype)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 from retention.errors import RetentionError
-from retention.cache import CacheView
+from retention.runtime.cache import CacheView
 from retention.scorers.base import Scorer, WindowScorer, topk_keep
 
 # What a scorer may read (`Scorer.reads`) and a cache layout plus its model may provide:

@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from retention.cache import CacheView
+from retention.runtime.cache import CacheView
 from retention.errors import RetentionError
 from retention.scorers.triattention import TriAttention
 

@@ -4,7 +4,7 @@ shared top-k selector. Everything here is exported from `retention.scorers`.
 Shapes: `L` layers, `B` rows of a view (sequences due for compaction now), `G` KV heads, `n` cached
 tokens per row (padded to the longest row of the view), `d` head dimension, `k` tokens to keep.
 
-What a scorer sees at a compaction, `CacheView` (`retention.cache`); `L` counts eviction groups
+What a scorer sees at a compaction, `CacheView` (`retention.runtime.cache`); `L` counts eviction groups
 (layers on the per-layer K/V layout of a transformers model; the sharing groups of a layout model):
     keys, values   `L` tensors `[B, G, n, d]` (keys after RoPE), in the model's dtype; only on the
                    per-layer K/V layout (empty lists on a layout model: read `stores`)
@@ -54,7 +54,7 @@ from typing import ClassVar
 
 import torch
 
-from retention.cache import CacheView
+from retention.runtime.cache import CacheView
 
 
 def topk_keep(scores: torch.Tensor, protected: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,7 +122,7 @@ class Scorer:
 
 @dataclass
 class WindowScorer(Scorer):
-    """A scorer that reads the queries the model computes (`retention.capture`) and protects its
+    """A scorer that reads the queries the model computes (`retention.runtime.capture`) and protects its
     `window` newest tokens (counted inside `b` by the cadence through `min_recent`).
 
     While attached, `self._recorder` holds the query recorder; `reset()` (called by the engine when a run
@@ -148,7 +148,7 @@ class WindowScorer(Scorer):
 
     @contextlib.contextmanager
     def _attached(self, model):
-        from retention.capture import capture_queries
+        from retention.runtime.capture import capture_queries
 
         with capture_queries(model) as rec:
             self._recorder = rec

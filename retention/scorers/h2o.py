@@ -3,14 +3,14 @@
 Shapes: layers `L`, batch `B`, KV heads `G`, query heads `Hq = G * r`, new tokens `q`, stored `n`.
 
 After every forward (prefill included), `observe` takes the queries the model just computed
-(`retention.capture`) and adds, for every stored token of every (layer, KV head), the attention
+(`retention.runtime.capture`) and adds, for every stored token of every (layer, KV head), the attention
 probability it received from them: softmax over the stored keys (causal by absolute position, the
 model's attention scale, float32), summed over the new queries and over the `r` query heads of the
 group. The per-token accumulator `[B, G, n]` per layer grows with the cache and follows every
 compaction through `compacted(keep)`, so a token's score is the total attention mass it received
 while stored (a new token starts with the mass of its own queries, its self-attention included).
 
-On a reference layout model (`retention.arch`: MLA, CLA, cross-layer paths) the modules report the
+On a reference layout model (`retention.models.arch`: MLA, CLA, cross-layer paths) the modules report the
 probabilities they computed through the cache (`RetentionCache.note_attention`: on a latent, the
 absorbed queries against the latent, which equal the materialised ones), summed over the eviction
 group's layers and query heads; `observe` adds them to the same per-token accumulator, per eviction
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retention.cache import CacheView
+from retention.runtime.cache import CacheView
 from retention.scorers.base import WindowScorer, topk_keep
 
 # Queries per block when a long prefill is scored: bounds the [B, G, r, q, n] probability tensor.

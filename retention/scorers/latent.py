@@ -5,7 +5,7 @@ query head `h` and cached token `j` the MLA logit is
 
     logit(h, j) = scale * ( q_nope_h . (W_UK_h c_j)  +  q_rope_h(t) . k_rope_j )
 
-(`retention.arch.modules.MLAttention`; `scale = (d_nope + d_rope)^-1/2`, one positive factor for
+(`retention.models.arch.modules.MLAttention`; `scale = (d_nope + d_rope)^-1/2`, one positive factor for
 both parts). The position lives only in the shared RoPE key, so TriAttention's score splits into
 
 * a RoPE term: TriAttention's frequency score on the shared `k_rope` with the head's statistics of
@@ -25,7 +25,7 @@ the mean over heads passes through the linear map: `mean_h W_UV_h c_j = (mean_h 
 signature is exact from the latent at `r x d_v` multiply-adds per token and layer.
 
 `LatentScoring` applies both to the latent stores of a `CacheView`; `triattention` and `alpha`
-dispatch to it when the view holds a latent (statistics: `retention.calibration_latent`).
+dispatch to it when the view holds a latent (statistics: `retention.scorers.calibration_latent`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from retention.scorers.frequency import OFFSETS, future_phase
 
 def _bands(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Real and imaginary parts `[..., F]` of the RoPE bands of `x` `[..., 2F]`: pairs `(2f, 2f+1)`
-    (`retention.arch.modules.rope`, DeepSeek's complex form) or `(f, f+F)` (Llama's half split)."""
+    (`retention.models.arch.modules.rope`, DeepSeek's complex form) or `(f, f+F)` (Llama's half split)."""
     if interleaved:
         return x[..., 0::2], x[..., 1::2]
     half = x.shape[-1] // 2
@@ -133,7 +133,7 @@ def holds_latent(view) -> bool:
 
 class LatentScoring:
     """TriAttention's raw scores on the latent stores of a `CacheView`, and alpha's V-signatures
-    written into the cache, for one MLA model (`retention.calibration_latent.LatentModel`) and its
+    written into the cache, for one MLA model (`retention.scorers.calibration_latent.LatentModel`) and its
     latent statistics.
 
     The view (issue 20's one cache): eviction group `g` is MLA layer `groups[g][0]`, with stores

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retention.cache import CacheView
+from retention.runtime.cache import CacheView
 from retention.errors import RetentionError
 from retention.scorers.snapkv import SnapKV
 

@@ -3,7 +3,7 @@
 Shapes: layers `L`, batch `B`, KV heads `G`, query heads `Hq = G * r`, window `w`, stored tokens `n`,
 head dim `d`.
 
-The post-RoPE queries are recorded as the model computes them (`retention.capture`), and the last `w`
+The post-RoPE queries are recorded as the model computes them (`retention.runtime.capture`), and the last `w`
 of each layer are kept: they are never recomputed with the current step's rotation. At a
 compaction, per layer and KV head:
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from retention.cache import CacheView
+from retention.runtime.cache import CacheView
 from retention.errors import RetentionError
 from retention.scorers.base import WindowScorer
 

@@ -4,7 +4,7 @@ Shapes: layers `L`, batch `B`, KV heads `G`, query heads `Hq = G * r` (query hea
 `h // r`, transformers' `repeat_kv` order), stored tokens `n`, head dim `d`, bands `F = d / 2`.
 
 Score of stored token `j` for query head `h` of layer `l`, with post-RoPE key bands
-`k_{j,f} = k_j[f] + i k_j[f+F]`, calibrated `Qm`, `Qa` (see `retention.calibration`), rotary
+`k_{j,f} = k_j[f] + i k_j[f+F]`, calibrated `Qm`, `Qa` (see `retention.scorers.calibration`), rotary
 frequencies `w_f` and the next query position `t`:
 
     A_{j,f}  = Qm[l,h,f] * conj(k_{j,f})
@@ -27,7 +27,7 @@ layers. `routing="per-layer"` skips the layer mean -> `[L, B, G, n]`, one kept s
 On an MLA latent cache (the view holds `c_kv` / `k_rope` stores, no per-head keys) the score is
 derived in `docs/layouts.md` and computed by `retention.scorers.latent`: per layer and query head
 the RoPE term (this score on the shared RoPE key) plus the content term (the mean content query
-absorbed into the latent), from the latent statistics of `retention.calibration_latent`. The
+absorbed into the latent), from the latent statistics of `retention.scorers.calibration_latent`. The
 aggregation is the same with one eviction head per layer whose group is all `H` query heads:
 z-score each (layer, head) row over the candidates, max over the `H` heads, mean over layers
 (`shared`, `[B, 1, n]`) or not (`per-layer`, `[L, B, 1, n]`).
@@ -45,8 +45,8 @@ from typing import ClassVar
 
 import torch
 
-from retention.cache import CacheView
-from retention.calibration import QueryStats, load_stats, rotary_inv_freq
+from retention.runtime.cache import CacheView
+from retention.scorers.calibration import QueryStats, load_stats, rotary_inv_freq
 from retention.errors import RetentionError
 from retention.scorers.base import Scorer
 from retention.scorers.frequency import OFFSETS, STD_FLOOR, future_phase, zscore_group_max, zscore_rows
@@ -153,14 +153,14 @@ class TriAttention(Scorer):
         self._stats, self._inv_freq = stats, inv_freq.float()
 
     def bind_latent(self, stats, latent) -> None:
-        """Use these latent statistics (`retention.calibration_latent.LatentStats`) and this MLA model
+        """Use these latent statistics (`retention.scorers.calibration_latent.LatentStats`) and this MLA model
         (`LatentModel`) for views that hold a latent (what `attach` does with an MLA model)."""
         self._latent = LatentScoring(stats, latent)
 
     @contextlib.contextmanager
     def _attached(self, model):
         if self._stats is None and self._latent is None:  # loaded once per scorer (benchmarks attach per step)
-            from retention.calibration_latent import latent_model, load_latent_stats
+            from retention.scorers.calibration_latent import latent_model, load_latent_stats
 
             latent = latent_model(model)
             if latent is not None:

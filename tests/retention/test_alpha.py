@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from retention.cadence import Cadence
-from retention.calibration import calibrate
-from retention.generate import SamplingConfig, generate
-from retention.policy import RetentionPolicy
+from retention.runtime.cadence import Cadence
+from retention.scorers.calibration import calibrate
+from retention.runtime.generate import SamplingConfig, generate
+from retention.runtime.policy import RetentionPolicy
 from retention.scorers import make_scorer, topk_keep
 from retention.scorers.alpha import facility_location_keep, token_signatures
 
@@ -44,7 +44,7 @@ def test_signature_follows_its_token_through_any_compactions(routing):
     """Write tokens in bursts into a real retention cache, evict random (different per head, per
     layer) sets in between: every stored slot's signature stays the one its token got when it was
     written, bit for bit."""
-    from retention.cache import RetentionCache
+    from retention.runtime.cache import RetentionCache
 
     gen = torch.Generator().manual_seed(9)
     sc = make_scorer("alpha", routing=routing)

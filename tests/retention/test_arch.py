@@ -1,4 +1,4 @@
-"""Reference attention modules (retention.arch): exactness, transformers' DeepSeek-V2, parameter
+"""Reference attention modules (retention.models.arch): exactness, transformers' DeepSeek-V2, parameter
 counts, and retention on latent and shared-storage caches."""
 
 from __future__ import annotations
@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retention.arch.configs import (
+from retention.models.arch.configs import (
     DOCUMENTED_CONFIGS,
     DOCUMENTED_PARAMETERS,
     TINY,
     ArchConfig,
 )
-from retention.arch.model import ArchLM, build_arch, count_parameters
+from retention.models.arch.model import ArchLM, build_arch, count_parameters
 from retention.errors import RetentionError
-from retention.generate import decode
-from retention.layouts import tokens_for_bytes
+from retention.runtime.generate import decode
+from retention.models.layouts import tokens_for_bytes
 from retention.scorers import make_scorer
 
 SCORERS = ("full", "random", "streaming", "h2o", "snapkv")  # what a layout model provides for
@@ -103,7 +103,7 @@ def test_path_mla_width_is_the_one_integer_that_matches_mla():
 
 @pytest.mark.parametrize("name", list(DOCUMENTED_CONFIGS))
 def test_documented_configs_store_the_documented_layout(name):
-    from retention.layouts import DOCUMENTED
+    from retention.models.layouts import DOCUMENTED
 
     assert DOCUMENTED_CONFIGS[name].cache_layout().elements_per_token == DOCUMENTED[name].elements_per_token
 

@@ -1,4 +1,4 @@
-"""`retention.arch.bench` and `retention bench --layouts` / `--budget-bytes` (tiny shapes; no timing is asserted)."""
+"""`retention.models.arch.bench` and `retention bench --layouts` / `--budget-bytes` (tiny shapes; no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from retention.arch import bench
-from retention.arch.bench import Variant
-from retention.arch.configs import ArchConfig
-from retention.arch.model import build_arch, count_parameters
+from retention.models.arch import bench
+from retention.models.arch.bench import Variant
+from retention.models.arch.configs import ArchConfig
+from retention.models.arch.model import build_arch, count_parameters
 from retention.cli import main
 
 # Two layers, hidden 64, four query heads: one tiny model per family the study compares.

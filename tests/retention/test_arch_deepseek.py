@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 checkpoints on the reference MLA (`retention.arch.deepseek`, how `retention run`
+"""DeepSeek-V2/V3 checkpoints on the reference MLA (`retention.models.arch.deepseek`, how `retention run`
 always decodes them, through the one engine): transformers' logits with MoE layers and YaRN, shared
 weights, exactness at an unlimited budget, and the CLI with its refusals."""
 
@@ -11,11 +11,11 @@ import torch
 import transformers
 from click.testing import CliRunner
 
-from retention.arch.deepseek import DeepseekReference
-from retention.cadence import Cadence
+from retention.models.arch.deepseek import DeepseekReference
+from retention.runtime.cadence import Cadence
 from retention.cli import main
-from retention.engine import Request, SamplingConfig, run_engine
-from retention.policy import RetentionPolicy
+from retention.runtime.engine import Request, SamplingConfig, run_engine
+from retention.runtime.policy import RetentionPolicy
 from retention.scorers import make_scorer
 from retention.models import build_tiny_tokenizer
 
@@ -60,7 +60,7 @@ def test_logits_equal_transformers_with_moe_and_yarn(version, q_lora_rank, rope,
             got.append(ref(torch.tensor([[TOKENS[i]]]), torch.tensor([[i]]), cache).logits[0, -1])
     assert (torch.stack(got) - want[9:]).abs().max() < 1e-5 and want.std() > 0.1
     assert cache.nbytes() == len(TOKENS) * ref.new_cache().layout.bytes_per_token
-    from retention.layouts import layout_from_config  # what the meter of a run of this checkpoint uses
+    from retention.models.layouts import layout_from_config  # what the meter of a run of this checkpoint uses
 
     assert layout_from_config(hf.config, torch.float32).bytes_per_token == ref.new_cache().layout.bytes_per_token
 
@@ -104,7 +104,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_run_decodes_a_checkpoint_on_the_reference_mla(checkpoint, tmp_path, monkeypatch):
-    import retention.engine as engine
+    import retention.runtime.engine as engine
 
     models = []
     real = engine.ModelAdapter.__init__

@@ -8,10 +8,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from retention.cache import RetentionCache
-from retention.generate import _cache_kwarg, forward_step
+from retention.runtime.cache import RetentionCache
+from retention.runtime.generate import _cache_kwarg, forward_step
 from retention.cli import main
-from retention.layouts import layout_from_config
+from retention.models.layouts import layout_from_config
 from retention.models import build_tiny_tokenizer
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from retention.cache import RetentionCache
+from retention.runtime.cache import RetentionCache
 
 
 def _filled_cache(L, B, G, n, d, seed=0):

@@ -7,7 +7,7 @@ import torch
 from click.testing import CliRunner
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from retention.calibration import (
+from retention.scorers.calibration import (
     QueryStats,
     calibrate,
     default_stats_path,

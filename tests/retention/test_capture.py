@@ -6,10 +6,10 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-from retention.cache import RetentionCache
-from retention.capture import CAPTURE_NAME, capture_queries
+from retention.runtime.cache import RetentionCache
+from retention.runtime.capture import CAPTURE_NAME, capture_queries
 from retention.errors import RetentionError
-from retention.generate import _cache_kwarg
+from retention.runtime.generate import _cache_kwarg
 
 IDS = torch.tensor([[5, 17, 3, 99, 42, 8, 8, 61, 23, 70, 2]])
 

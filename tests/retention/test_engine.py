@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retention.calibration import calibrate
-from retention.engine import Request, SamplingConfig, cache_kwarg, run_engine
-from retention.policy import RetentionPolicy, cadence_for
+from retention.scorers.calibration import calibrate
+from retention.runtime.engine import Request, SamplingConfig, cache_kwarg, run_engine
+from retention.runtime.policy import RetentionPolicy, cadence_for
 from retention.scorers import available, make_scorer
 
 # Eight prompts of different lengths (13..69 tokens), so rows are padded and compact at different steps.
@@ -162,7 +162,7 @@ def test_meter_bounds_per_sequence_batched(tiny, stats_path, accounting):
 def test_refilled_slot_never_sees_the_previous_sequence(tiny, stats_path, monkeypatch):
     """Oracle: poison every row's buffer past its stored length whenever a row is (re)loaded; a
     sequence started in a reused slot still decodes exactly what it decodes alone."""
-    from retention.cache import RetentionCache
+    from retention.runtime.cache import RetentionCache
 
     real = RetentionCache.load_row
 

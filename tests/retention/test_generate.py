@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retention.cadence import Cadence
-from retention.generate import SamplingConfig, _cache_kwarg, generate
-from retention.policy import RetentionPolicy
+from retention.runtime.cadence import Cadence
+from retention.runtime.generate import SamplingConfig, _cache_kwarg, generate
+from retention.runtime.policy import RetentionPolicy
 from retention.scorers import make_scorer
 
 PROMPT = list(range(3, 70))  # 67 tokens
@@ -108,7 +108,7 @@ def test_eviction_is_physical(tiny, monkeypatch):
             seen.append(keep.shape[-1])
 
     pol.scorer = Spy()
-    from retention.cache import RetentionCache
+    from retention.runtime.cache import RetentionCache
 
     real_compact = RetentionCache.compact_rows
     sizes = []
@@ -133,9 +133,9 @@ def test_eviction_is_physical(tiny, monkeypatch):
 
 def test_streaming_keeps_sinks_and_recent(tiny):
     """After the prefill compaction the cache holds the 4 sinks and the newest b - 4 positions."""
-    from retention.cache import RetentionCache
-    from retention.generate import forward_step
-    from retention.meter import BudgetMeter
+    from retention.runtime.cache import RetentionCache
+    from retention.runtime.generate import forward_step
+    from retention.runtime.meter import BudgetMeter
 
     pol = policy("streaming", 40, 8)
     cache = RetentionCache(tiny.model.config.num_hidden_layers)

@@ -1,4 +1,4 @@
-"""Latent query statistics of MLA models (`retention.calibration_latent`, `retention calibrate`):
+"""Latent query statistics of MLA models (`retention.scorers.calibration_latent`, `retention calibrate`):
 known values, the save/load round trip, one-line refusals of another model's or kind's file, the
 CLI on tiny-mla and its refusals, and the conventions (band pairings, the key norm's weight, the
 cached inverse RMS, YaRN's attention factor) checked against each model's own attention logit:
@@ -12,12 +12,12 @@ import torch
 import transformers
 from click.testing import CliRunner
 
-from retention.arch.configs import ArchConfig
-from retention.arch.deepseek import DeepseekReference
-from retention.arch.model import build_arch
-from retention.arch.modules import _heads, rope
-from retention.calibration import QueryStats, calibrate, load_stats, tokens_sha256
-from retention.calibration_latent import LatentStats, calibrate_latent, latent_model, load_latent_stats
+from retention.models.arch.configs import ArchConfig
+from retention.models.arch.deepseek import DeepseekReference
+from retention.models.arch.model import build_arch
+from retention.models.arch.modules import _heads, rope
+from retention.scorers.calibration import QueryStats, calibrate, load_stats, tokens_sha256
+from retention.scorers.calibration_latent import LatentStats, calibrate_latent, latent_model, load_latent_stats
 from retention.errors import RetentionError
 from retention.scorers.latent import _bands, latent_triattention_scores
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retention.arch.model import build_arch
-from retention.cache import CacheView
-from retention.calibration import QueryStats
-from retention.calibration_latent import calibrate_latent, latent_model
+from retention.models.arch.model import build_arch
+from retention.runtime.cache import CacheView
+from retention.scorers.calibration import QueryStats
+from retention.scorers.calibration_latent import calibrate_latent, latent_model
 from retention.scorers import make_scorer
 from retention.scorers.alpha import facility_location_keep
 from retention.scorers.frequency import zscore_group_max
@@ -283,7 +283,7 @@ def test_scores_on_the_one_runtimes_padded_view_are_per_row(setup):
     """A view of the one runtime's cache with rows of different lengths (the shorter padded): each
     row's latent scores equal the per-head reference on that row, and those of the row alone (the
     padding changes nothing: batch invariance)."""
-    from retention.cache import RetentionCache
+    from retention.runtime.cache import RetentionCache
 
     model, latent, stats = setup
     prefills = [_prefill(model, n, seed) for n, seed in ((20, 0), (26, 1))]

@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from retention.arch.model import build_arch
-from retention.arch.modules import _heads, rope
+from retention.models.arch.model import build_arch
+from retention.models.arch.modules import _heads, rope
 from retention.scorers.alpha import token_signatures
 from retention.scorers.latent import latent_triattention_scores, latent_value_signatures
 from retention.scorers.triattention import OFFSETS

@@ -1,4 +1,4 @@
-"""Reference layout models through the one engine (`retention.engine`, as `retention run` decodes
+"""Reference layout models through the one engine (`retention.runtime.engine`, as `retention run` decodes
 them): exactness at an unlimited budget, meter bytes equal to the stored tensors, kept sets per
 sharing group, the prompt rule, sampling seeds, batch invariance with refills, and the CLI path with
 its refusals."""
@@ -11,15 +11,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from retention.arch.configs import TINY
-from retention.arch.model import build_arch
-from retention.cache import PAD, RetentionCache
-from retention.cadence import Cadence
+from retention.models.arch.configs import TINY
+from retention.models.arch.model import build_arch
+from retention.runtime.cache import PAD, RetentionCache
+from retention.runtime.cadence import Cadence
 from retention.cli import main
-from retention.engine import Engine, Request, SamplingConfig, run_engine
+from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
 from retention.errors import RetentionError
 from retention.models import ALIASES, load_model
-from retention.policy import RetentionPolicy
+from retention.runtime.policy import RetentionPolicy
 from retention.scorers import make_scorer
 
 PROMPT = [int(t) for t in torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3))]

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from retention.cli import main
-from retention.layouts import DOCUMENTED, cla, kv, mla, path_concat, path_mla, path_residual
+from retention.models.layouts import DOCUMENTED, cla, kv, mla, path_concat, path_mla, path_residual
 
 # name, elements per token (whole model), bf16 bytes per token: every row of cache-audit.md.
 AUDIT_ROWS = [

@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from retention.arch.configs import TINY
+from retention.models.arch.configs import TINY
 from retention.cli import main
 
 OLDEST_FIRST = '''
@@ -69,7 +69,7 @@ def test_a_keys_plugin_is_refused_on_a_shared_store_and_runs_on_transformers(tmp
 
 
 def test_a_refusal_names_what_is_missing():
-    from retention.engine import TRANSFORMERS_PROVIDES
+    from retention.runtime.engine import TRANSFORMERS_PROVIDES
     from retention.scorers import reads_refusal
 
     line = reads_refusal("x", (frozenset({"positions", "latent"}),), TRANSFORMERS_PROVIDES, "tiny-random")

@@ -9,7 +9,7 @@ import pytest
 from protocol.errors import ProtocolError
 from retention.errors import RetentionError
 from retention.runner import Arm, RunDir, count_pending
-from retention.shard import shard_pairs
+from retention.scale.shard import shard_pairs
 
 CONFIG = {"model": "tiny-random", "scorer": "streaming", "budget": 40, "samples": 2}
 

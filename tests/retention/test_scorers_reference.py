@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from retention.cache import CacheView
-from retention.calibration import QueryStats
+from retention.runtime.cache import CacheView
+from retention.scorers.calibration import QueryStats
 from retention.scorers import make_scorer
 from retention.scorers.h2o import attention_mass
 from retention.scorers.triattention import (
@@ -304,7 +304,7 @@ def test_h2o_accumulator_follows_compaction():
     """Accumulated mass per token == the sum of the mass it received at every step while stored,
     tracked independently by absolute position, across a per-layer compaction. (The accumulator
     lives in the cache as per-token state, so the compaction moves it with the keys.)"""
-    from retention.cache import RetentionCache
+    from retention.runtime.cache import RetentionCache
 
     gen = torch.Generator().manual_seed(14)
     sc = make_scorer("h2o", window=2)

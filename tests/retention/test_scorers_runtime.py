@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retention.cadence import Cadence
-from retention.calibration import calibrate
-from retention.generate import SamplingConfig, _cache_kwarg, generate
-from retention.policy import RetentionPolicy
+from retention.runtime.cadence import Cadence
+from retention.scorers.calibration import calibrate
+from retention.runtime.generate import SamplingConfig, _cache_kwarg, generate
+from retention.runtime.policy import RetentionPolicy
 from retention.scorers import available, make_scorer
 
 PROMPT = list(range(3, 60))  # 57 tokens

@@ -59,8 +59,8 @@ class ReplayEngine:
         self.loaded = load_model(weights, dtype=dtype, device=device)
 
     def complete(self, requests, sampling, eos_ids):
-        from retention.generate import SamplingConfig, generate
-        from retention.policy import RetentionPolicy, cadence_for
+        from retention.runtime.generate import SamplingConfig, generate
+        from retention.runtime.policy import RetentionPolicy, cadence_for
         from retention.scorers import make_scorer
 
         ReplayEngine.calls.append((list(requests), dict(sampling), set(eos_ids)))

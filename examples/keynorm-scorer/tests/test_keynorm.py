@@ -3,7 +3,7 @@
 import torch
 
 from keynorm_scorer import KeyNorm
-from retention.cache import CacheView
+from retention.runtime.cache import CacheView
 
 
 def test_larger_keys_score_higher_and_padding_is_minus_inf():

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retention.cache import RetentionCache
-from retention.cadence import Cadence, default_interval
-from retention.meter import BudgetMeter
+from retention.runtime.cache import RetentionCache
+from retention.runtime.cadence import Cadence, default_interval
+from retention.runtime.meter import BudgetMeter
 from retention.scorers.base import Scorer
 
 

@@ -1,5 +1,5 @@
 """RMSNorm, RoPE and the attention of each layout family, reading and writing the layout cache
-(`retention.cache.RetentionCache.for_layout`: `append`/`read` a store, `layer_positions`, `note_attention`).
+(`retention.runtime.cache.RetentionCache.for_layout`: `append`/`read` a store, `layer_positions`, `note_attention`).
 
 Shapes: batch `B`, query heads `H`, eviction heads `G` (KV heads; 1 for a latent), new tokens `q`,
 stored tokens `n`. Every module takes `x` `[B, q, hidden]`, absolute positions `pos` `[B, q]`, the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from retention.cache import RetentionCache
+from retention.runtime.cache import RetentionCache
 
 
 class RMSNorm(nn.Module):
@@ -206,7 +206,7 @@ class MLAttention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.absorb = True
-        # A checkpoint's own softmax scale and rotation (YaRN) replace these (`retention.arch.deepseek`).
+        # A checkpoint's own softmax scale and rotation (YaRN) replace these (`retention.models.arch.deepseek`).
         self.scaling = (cfg.nope_dim + cfg.rope_dim) ** -0.5
         self.rotate = None  # (x [B, h, q, d], pos [B, q]) -> rotated x; None: `rope` with `cfg.rope_theta`
         h = cfg.q_heads

@@ -265,7 +265,7 @@ def path_mla(
 
 
 def layout_from_config(config: Any, dtype: str | torch.dtype = "bfloat16") -> CacheLayout:
-    """The layout of a model config: an `ArchConfig` of `retention.arch`, a DeepSeek-V2/V3 config
+    """The layout of a model config: an `ArchConfig` of `retention.models.arch`, a DeepSeek-V2/V3 config
     (`kv_lora_rank`, `qk_rope_head_dim`: MLA), or a per-layer K/V decoder config.
 
     `num_key_value_heads` defaults to `num_attention_heads` (MHA); `head_dim` defaults to

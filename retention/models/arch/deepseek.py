@@ -5,7 +5,7 @@ MLPs, the rotary embedding (YaRN included) and the LM head. Attention is `MLAtte
 over the same weight tensors (shared, not copied), reading the layout cache (`RetentionCache.for_layout`) of the latent and the
 RoPE key, with the checkpoint's softmax scale. So the scorers that read the attention a layout
 model reports (`h2o`, `snapkv`: the absorbed queries' attention against the latent) run on a real
-MLA checkpoint through `retention.engine`, and at full cache its logits equal transformers' (tests).
+MLA checkpoint through `retention.runtime.engine`, and at full cache its logits equal transformers' (tests).
 
 Shapes: batch `B`, heads `h`, new tokens `q`, RoPE dims `d`.
 """
@@ -18,9 +18,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from retention.arch.configs import ArchConfig
-from retention.arch.model import ArchOutput, LayoutLM
-from retention.arch.modules import MLAttention
+from retention.models.arch.configs import ArchConfig
+from retention.models.arch.model import ArchOutput, LayoutLM
+from retention.models.arch.modules import MLAttention
 from retention.errors import RetentionError
 
 SUPPORTED = ("deepseek_v2", "deepseek_v3")

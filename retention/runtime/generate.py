@@ -1,4 +1,4 @@
-"""Single-sequence generation: the batched engine (`retention.engine`) with one slot.
+"""Single-sequence generation: the batched engine (`retention.runtime.engine`) with one slot.
 
 Prefill, then one token per step through a `RetentionCache`; after every forward the policy may
 compact the cache (`RetentionPolicy.after_forward`). Every forward gets explicit absolute
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from retention.engine import (Fidelity, Generation, ModelAdapter, Request, SamplingConfig, cache_kwarg, forward_step,
+from retention.runtime.engine import (Fidelity, Generation, ModelAdapter, Request, SamplingConfig, cache_kwarg, forward_step,
                               run_engine, sample_next)
-from retention.meter import BudgetMeter
-from retention.policy import RetentionPolicy, cadence_for
+from retention.runtime.meter import BudgetMeter
+from retention.runtime.policy import RetentionPolicy, cadence_for
 
 __all__ = ["Fidelity", "Generation", "SamplingConfig", "forward_step", "generate", "sample_next", "cache_kwarg",
            "decode"]
@@ -51,7 +51,7 @@ def decode(model, token_ids: list[int], prompt_length: int, scorer: str = "full"
     """Teacher-forced decode of `token_ids` (the first `prompt_length` as one prefill, then one token
     per step) of any model the engine runs, through the engine's adapter, cache and policy; the
     logits after each forward and what the cache held. `on_compaction(cache)` after each compaction."""
-    from retention.layouts import layout_from_config, tokens_for_bytes
+    from retention.models.layouts import layout_from_config, tokens_for_bytes
     from retention.scorers import make_scorer
 
     adapter = ModelAdapter(model)

@@ -1,7 +1,7 @@
 """Architectures as data: one `ArchConfig` per layout family, the documented configurations.
 
 The parameter counts of `../shared/docs` (issue 14) are reproduced by counting the parameters of
-`ArchLM` built from these configurations on the meta device (`retention.arch.model.count_parameters`,
+`ArchLM` built from these configurations on the meta device (`retention.models.arch.model.count_parameters`,
 no memory, no weights): nothing here states a count. This module imports nothing from the model
 (the model is built from these configurations, never the reverse). Where a document gives a count
 but not the whole structure behind it, the record says what was derived and by which rule
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from retention.layouts import (
+from retention.models.layouts import (
     CacheLayout,
     cla,
     kv,

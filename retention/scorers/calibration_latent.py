@@ -11,11 +11,11 @@ calibration text (pre-RoPE queries, after any query norm):
 
 Shapes `[L, H, F]` (`F = d_rope / 2`) and `[L, H, d_nope]`, float32, plus `inv_freq` `[F]`. Bands
 pair the rope query's dims as the model's rotation does (`query_interleaved`: `(2f, 2f+1)`, DeepSeek's
-complex form and `retention.arch.modules.rope`; else `(f, f+F)`); the stored, rotated key may use
+complex form and `retention.models.arch.modules.rope`; else `(f, f+F)`); the stored, rotated key may use
 another pairing (`key_interleaved`: DeepSeek-V3's interleaved rotation writes its output half-split).
 
 The file is a safetensors file of the same family as the per-head statistics
-(`retention.calibration`): the same metadata entry `retention_stats`, whose JSON adds
+(`retention.scorers.calibration`): the same metadata entry `retention_stats`, whose JSON adds
 `"kind": "latent"` and a latent geometry (family, layers, heads, KV groups, latent/content/rope/value
 dims, the band pairings, the RoPE attention factor); `load_latent_stats` refuses a file of another
 model, geometry or kind with one line.
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from retention import __version__
-from retention.calibration import DEFAULT_CHUNK, META_KEY, STATS_FORMAT, default_stats_path, tokens_sha256
+from retention.scorers.calibration import DEFAULT_CHUNK, META_KEY, STATS_FORMAT, default_stats_path, tokens_sha256
 from retention.errors import RetentionError
 
 KIND = "latent"
@@ -98,12 +98,12 @@ class LatentModel:
 
 
 def _rope_inv_freq(theta: float, d: int) -> torch.Tensor:
-    """`retention.arch.modules.rope`'s frequencies `theta^(-2i/d)`, float32."""
+    """`retention.models.arch.modules.rope`'s frequencies `theta^(-2i/d)`, float32."""
     return (1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)).float()
 
 
 def _tiny_name(config) -> str:
-    from retention.arch.configs import TINY
+    from retention.models.arch.configs import TINY
 
     return next((name for name, cfg in TINY.items() if cfg == config), "")
 
@@ -112,9 +112,9 @@ def latent_model(model) -> LatentModel | None:
     """The `LatentModel` of an MLA model (see the module doc), None for any other model.
 
     Raises `RetentionError` for a latent layout nothing is derived on in code (path-on-MLA)."""
-    from retention.arch.deepseek import SUPPORTED, DeepseekReference
-    from retention.arch.model import ArchLM
-    from retention.arch.modules import MLAttention
+    from retention.models.arch.deepseek import SUPPORTED, DeepseekReference
+    from retention.models.arch.model import ArchLM
+    from retention.models.arch.modules import MLAttention
 
     if getattr(getattr(model, "config", None), "model_type", None) in SUPPORTED:
         model = DeepseekReference(model)  # shares every weight of the checkpoint
@@ -219,7 +219,7 @@ def calibrate_latent(model, token_ids, *, chunk: int = DEFAULT_CHUNK, model_id: 
     tokens; sums in float64 per (layer, head, band / content dim)."""
     latent = latent_model(model)
     if latent is None:
-        raise RetentionError(f"{type(model).__name__} has no MLA attention: use `retention.calibration.calibrate`")
+        raise RetentionError(f"{type(model).__name__} has no MLA attention: use `retention.scorers.calibration.calibrate`")
     L, H, dn, dr = len(latent.attention), latent.q_heads, latent.nope_dim, latent.rope_dim
     ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     if ids.numel() == 0:
@@ -297,10 +297,10 @@ def load_latent_stats(path: str | Path | None, model, latent: LatentModel | None
 
 def read_stats_file(path: str | Path):
     """A statistics file of either kind, read without a model: `LatentStats` when its metadata says
-    `"kind": "latent"`, else `retention.calibration.QueryStats` (one error line when it is neither)."""
+    `"kind": "latent"`, else `retention.scorers.calibration.QueryStats` (one error line when it is neither)."""
     from safetensors import SafetensorError, safe_open
 
-    from retention.calibration import QueryStats
+    from retention.scorers.calibration import QueryStats
 
     try:
         with safe_open(str(path), framework="pt") as f:

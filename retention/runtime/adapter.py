@@ -1,5 +1,5 @@
-"""The engine's model adapter: what `retention.engine` needs from a model, for transformers models and
-the reference layout models (`retention.arch`, DeepSeek checkpoints on the reference MLA) alike.
+"""The engine's model adapter: what `retention.runtime.engine` needs from a model, for transformers models and
+the reference layout models (`retention.models.arch`, DeepSeek checkpoints on the reference MLA) alike.
 
 * one step forward at explicit absolute positions (`forward`): transformers get a 4-D additive mask
   that hides each row's padding; the layout modules mask padding by position (`PAD`);
@@ -7,7 +7,7 @@ the reference layout models (`retention.arch`, DeepSeek checkpoints on the refer
   `CacheLayout` (`RetentionCache.for_layout`), which collects the attention the modules report when
   the scorer reads it;
 * what it provides to scorers (`provides`, kinds of `retention.scorers.READS`): beyond the stores,
-  `queries`/`calibration` through `retention.capture` on transformers, `attention` on the layout
+  `queries`/`calibration` through `retention.runtime.capture` on transformers, `attention` on the layout
   modules.
 """
 
@@ -17,7 +17,7 @@ import inspect
 
 import torch
 
-from retention.cache import RetentionCache
+from retention.runtime.cache import RetentionCache
 
 # What each kind of model provides to a scorer (`retention.scorers.READS`).
 TRANSFORMERS_PROVIDES = frozenset({"positions", "keys", "values", "queries", "calibration"})
@@ -30,7 +30,7 @@ def provides(layout, reference: bool) -> frozenset[str]:
     layout model (`reference`) the attention its modules report, plus the layout's stores the
     view exposes (`CacheLayout.provides`: a `latent` on MLA; per-head keys reach scorers only on
     the transformers path); on an MLA latent also `calibration`, the latent query statistics of
-    `retention.calibration_latent` (not on path-on-MLA: not implemented there)."""
+    `retention.scorers.calibration_latent` (not on path-on-MLA: not implemented there)."""
     if not reference:
         return TRANSFORMERS_PROVIDES
     calibrated = {"calibration"} if layout.family == "mla" else set()
@@ -46,7 +46,7 @@ def cache_kwarg(model) -> str:
 def forward_step(model, input_ids: torch.Tensor, positions: torch.Tensor, cache, cache_kw: str,
                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """One forward of `[R, q]` tokens at explicit absolute positions; returns the last logits `[R, V]`."""
-    if getattr(model, "reports_attention", False):  # a reference layout model (`retention.arch`)
+    if getattr(model, "reports_attention", False):  # a reference layout model (`retention.models.arch`)
         return model(input_ids, positions, cache, logits_to_keep=1).logits[:, -1]
     if isinstance(cache, RetentionCache):
         cache.set_step_positions(positions)

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from retention.arch.configs import ArchConfig
-from retention.arch.model import ArchLM, build_arch, count_parameters
+from retention.models.arch.configs import ArchConfig
+from retention.models.arch.model import ArchLM, build_arch, count_parameters
 from retention.dtypes import resolve_dtype
 from retention.errors import RetentionError
 

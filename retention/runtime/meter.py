@@ -8,7 +8,7 @@ first compaction.
 
 Summaries: the mean over decode steps (the project's budget is this number), the peak, the final
 length, the number of compactions, and a per-step trace downsampled to at most `max_trace` points.
-Tokens convert to bytes with the model's cache layout (`retention.layouts`: `kib_per_token`), which
+Tokens convert to bytes with the model's cache layout (`retention.models.layouts`: `kib_per_token`), which
 counts the compressed representation kept per token, not allocated buffers (`counts` says so).
 """
 

@@ -126,7 +126,7 @@ class CacheView:
         read, gathered with the group's kept set). Default: `{"k": keys[g], "v": values[g]}` (the
         per-layer K/V layout, where group `g` is layer `g`).
     groups: the layers of each eviction group (default `(g,)`: one group per layer).
-    layout: the `retention.layouts.CacheLayout` of the cache (None: per-layer K/V).
+    layout: the `retention.models.layouts.CacheLayout` of the cache (None: per-layer K/V).
     `keys` / `values` hold per-head, per-layer tensors only on the per-layer K/V layout; on a
     latent or shared-store layout they are empty lists and a scorer reads `stores`.
     """
@@ -179,7 +179,7 @@ class RetentionCache(Cache):
     doubling when exceeded); None starts at the first write's size. With no compaction and one row
     this cache hands the model exactly what `DynamicCache` would, which the exactness tests hold.
 
-    `for_layout(layout)` builds the cache of a reference layout model (`retention.arch`): one
+    `for_layout(layout)` builds the cache of a reference layout model (`retention.models.arch`): one
     `RetentionLayer` per eviction group of the layout holding every store of the group. Its modules
     call `begin_step` (instead of `set_step_positions`), `append`/`read` a store by name,
     `layer_positions` (padding reads as position `PAD`, after every query, so the causal mask hides
@@ -207,7 +207,7 @@ class RetentionCache(Cache):
 
     @classmethod
     def for_layout(cls, layout, capacity: int | None = None) -> RetentionCache:
-        """The cache of a `retention.layouts.CacheLayout` (a reference layout model): one group per
+        """The cache of a `retention.models.layouts.CacheLayout` (a reference layout model): one group per
         sharing group, positions `[S, layout.kv_heads, cap]`, every store `[S, heads, cap, dim]`."""
         groups = layout.groups()
         c = cls(len(groups), capacity)
@@ -301,7 +301,7 @@ class RetentionCache(Cache):
             self.lengths = [a + q for a in at]
         return layer.keys, layer.values
 
-    # -- the layout models' API (`retention.arch.modules`) ---------------------------------------
+    # -- the layout models' API (`retention.models.arch.modules`) ---------------------------------------
     def begin_step(self, position_ids: torch.Tensor) -> None:
         """A layout model's forward starts: its `q` tokens per row `[S, q]` at these absolute
         positions are written at each row's length (positions now, stores by `append`)."""

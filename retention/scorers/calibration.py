@@ -22,7 +22,7 @@ head_dim), rope theta and scaling, the model dtype, the number of tokens, the sh
 ids (little-endian int64 bytes), the text source and the library version. `load_stats` refuses a
 file whose geometry or RoPE does not match the model it is loaded for.
 
-MLA models have their own statistics (`retention.calibration_latent`: same file family, metadata
+MLA models have their own statistics (`retention.scorers.calibration_latent`: same file family, metadata
 `"kind": "latent"`); each loader refuses the other's files with one line.
 
 Default location: `<cache root>/stats/<model-name>.safetensors`, with the cache root
@@ -155,7 +155,7 @@ class QueryStats:
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {})[META_KEY])
-                if meta.get("kind") == "latent":  # `retention.calibration_latent`'s files, same family
+                if meta.get("kind") == "latent":  # `retention.scorers.calibration_latent`'s files, same family
                     raise RetentionError(
                         f"{path} holds latent (MLA) statistics (of {meta.get('model_id')!r}), not the per-head "
                         "statistics this model needs; calibrate this model with `retention calibrate --model ...`")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from protocol import shards as layout
 from retention.errors import RetentionError
-from retention.shard import RULE, Shard, shard_of, shard_pairs, write_sidecar
+from retention.scale.shard import RULE, Shard, shard_of, shard_pairs, write_sidecar
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`ArchLM`: a causal LM of pre-RMSNorm blocks (attention of one layout family + SwiGLU), untied
 embeddings, decoding through the layout cache (`RetentionCache.for_layout`) with explicit absolute positions; and the parameter
 counts of the documented configurations (`count_parameters`, `documented_parameters`), which need
-the model and so live here, not in `retention.arch.configs` (that module imports nothing from this one)."""
+the model and so live here, not in `retention.models.arch.configs` (that module imports nothing from this one)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from retention.arch.configs import DOCUMENTED_CONFIGS, DOCUMENTED_PARAMETERS, PARAMETER_NOTES, TINY, ArchConfig
-from retention.arch.modules import ATTENTION, RMSNorm
-from retention.cache import RetentionCache
+from retention.models.arch.configs import DOCUMENTED_CONFIGS, DOCUMENTED_PARAMETERS, PARAMETER_NOTES, TINY, ArchConfig
+from retention.models.arch.modules import ATTENTION, RMSNorm
+from retention.runtime.cache import RetentionCache
 
 
 class SwiGLU(nn.Module):
@@ -53,7 +53,7 @@ class ArchOutput:
 
 
 class LayoutLM(nn.Module):
-    """A reference layout model as `retention.engine` decodes it: `forward(input_ids, position_ids,
+    """A reference layout model as `retention.runtime.engine` decodes it: `forward(input_ids, position_ids,
     cache, logits_to_keep)` on a `RetentionCache.for_layout(cache_layout())`; its modules report
     their attention probabilities through the cache (`reports_attention`)."""
 

@@ -1,6 +1,6 @@
 """The batched, continuously refilled decoding engine of every model: transformers models and the
-reference layout models (`retention.arch`, DeepSeek checkpoints on the reference MLA) alike; the
-model adapter (`retention.adapter`) is all that differs (the step forward, the cache, what it provides).
+reference layout models (`retention.models.arch`, DeepSeek checkpoints on the reference MLA) alike; the
+model adapter (`retention.runtime.adapter`) is all that differs (the step forward, the cache, what it provides).
 
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
 rows. A queue of requests (one per (problem, sample)) feeds the slots: a request's prompt is prefilled
@@ -12,7 +12,7 @@ finished rows are dropped from the batch.
 Why the output of a sequence does not depend on its neighbours: the prefill runs alone; every decode
 step attends within its own row (padding masked); the cadence and the scorer's state are per row;
 sampling uses one `torch.Generator` per slot, seeded from the request's own seed when it starts.
-With `S = 1` this is the single-sequence loop of `retention.generate.generate`.
+With `S = 1` this is the single-sequence loop of `retention.runtime.generate.generate`.
 
 With `fidelity=True` a second cache of the same rows holds the full (never compacted) cache and the
 same tokens are decoded through it too (batched as well); each step records KL(p_full || p_retained)
@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retention.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVIDES, ModelAdapter, cache_kwarg,  # noqa: F401
+from retention.runtime.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVIDES, ModelAdapter, cache_kwarg,  # noqa: F401
                                forward_step, provides)
-from retention.cache import RetentionCache
-from retention.meter import BudgetMeter
-from retention.policy import RetentionPolicy
+from retention.runtime.cache import RetentionCache
+from retention.runtime.meter import BudgetMeter
+from retention.runtime.policy import RetentionPolicy
 
 
 @dataclass(frozen=True)
