@@ -181,6 +181,44 @@ def test_vllm_adapter_passes_prompts_seeds_and_sampling(tiny_folder, tmp_path, m
     assert abs(sum(r["wall_seconds"] for r in recs) - sum(r["wall_seconds"] for r in recs[:3])) < 1e-12
 
 
+def test_engine_environment_without_parts_loads_the_converted_split_model(tmp_path, monkeypatch):
+    """vLLM's own environment (.venv-vllm) lacks the weight packages of a split GGUF model: the
+    engine then loads the folder this project's environment converted, named as that one names it,
+    and only when the folder's marker carries the pinned GGUF sha256."""
+    import hashlib
+
+    from retention.engines.run import resolve_weights
+    from retention.errors import RetentionError
+    from retention.models import SPLIT_GGUFS, SplitGGUF
+    from retention.models import aliases as aliases_module
+    from retention.models.loading import weights_reference
+    from retention.models.weights_cache import _CACHE_MARKER
+    from tests.retention.test_gguf import _split_into_packages, write_tiny_gguf
+
+    monkeypatch.setenv("RETENTION_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    site = tmp_path / "site"
+    _split_into_packages(gguf, site, "tiny-eng-part", 2)
+    data = gguf.read_bytes()
+    spec = SplitGGUF("tiny-eng", "tiny-eng-part", 2, "1.0", len(data), hashlib.sha256(data).hexdigest(),
+                     (("model_type", "qwen2"),))
+    monkeypatch.setitem(SPLIT_GGUFS, "tiny-eng", spec)
+    monkeypatch.setitem(aliases_module.ALIASES, "tiny-eng", aliases_module.ModelAlias("parts", "tiny-eng", "test"))
+    with pytest.raises(RetentionError) as missing:  # neither parts nor a conversion: one line, both ways out
+        resolve_weights("tiny-eng")
+    assert "make install-real-models" in str(missing.value) and "convert it once" in str(missing.value)
+    assert "\n" not in str(missing.value)
+    with monkeypatch.context() as m:  # this project's environment: parts installed, converted once
+        m.syspath_prepend(str(site))
+        converted = weights_reference("tiny-eng")
+    assert resolve_weights("tiny-eng") == converted  # the engine's environment: no parts any more
+    assert converted[2] == spec.sha256 and Path(converted[0], "config.json").is_file()
+    marker = Path(converted[0]) / _CACHE_MARKER
+    marker.write_text(json.dumps(dict(json.loads(marker.read_text()), source_sha256="0" * 64)))
+    with pytest.raises(RetentionError, match="make install-real-models"):  # converted from another GGUF
+        resolve_weights("tiny-eng")
+
+
 def _fake_run(path, config, tokens):
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps({"run_id": path.name, "config_hash": "x", "config": config}))
