@@ -250,6 +250,23 @@ def test_agree_counts_tokens_before_divergence_and_refuses_other_experiments(tmp
     assert res.exit_code != 0 and "max_new_tokens" in res.output and res.output.startswith("Error: ")
 
 
+@pytest.mark.parametrize("dtype,temperature,tokens_b,needle", [
+    ("float32", 0, [[1, 2], [3, 4]], "float32 greedy: identical, as expected"),
+    ("float32", 0, [[1, 2], [3, 9]], "float32 greedy: 1 pair(s) parted, which float32 runs are not expected to do"),
+    ("bfloat16", 0, [[1, 2], [3, 9]], "bfloat16 greedy: the engines part where the top two logits are within one"),
+    ("bfloat16", 0.6, [[1, 2], [3, 9]], "sampled runs: agreement is not expected"),
+])
+def test_agree_says_what_a_divergence_means_for_the_dtype(tmp_path, dtype, temperature, tokens_b, needle):
+    """Greedy float32 runs must agree (a divergence is a mismatch to look for); bf16 runs part at
+    near-tied logits; sampled runs are not expected to agree."""
+    cfg = {"model": "m", "scorer": "full", "dtype": dtype, "temperature": temperature, "max_new_tokens": 2}
+    a = _fake_run(tmp_path / "a", cfg, [[1, 2], [3, 4]])
+    b = _fake_run(tmp_path / "b", dict(cfg, engine="vllm", engine_version="0"), tokens_b)
+    res = _cli("agree", a, b)
+    assert res.exit_code == 0 and needle in res.output.splitlines()[-1], res.output
+    assert json.loads(_cli("agree", a, b, "--json").output)["verdict"].startswith(needle.split(":")[0])
+
+
 def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
