@@ -10,11 +10,14 @@ near-tied logits: README, "vLLM for the `full` arm"). The official
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 
 from retention.engines.base import Completion, Request
 from retention.errors import RetentionError
+
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def _vllm():
@@ -38,8 +41,17 @@ class VllmEngine:
         # seed: vLLM's global seed; each request's own seed decides its sampling. generation_config
         # "vllm": the model's generation_config.json (top_k, repetition_penalty, ...) never becomes a
         # default; every knob is set per request (`sampling_params`).
-        self.llm = vllm.LLM(model=weights, tokenizer=weights, dtype=dtype, seed=0, enforce_eager=enforce_eager,
-                            generation_config="vllm", **kwargs)
+        try:
+            self.llm = vllm.LLM(model=weights, tokenizer=weights, dtype=dtype, seed=0, enforce_eager=enforce_eager,
+                                generation_config="vllm", **kwargs)
+        except (RuntimeError, ValueError) as exc:
+            # vLLM reports a failed start (memory, device) in its engine process's log and raises a
+            # generic RuntimeError here; on CPU the usual cause is an unset VLLM_CPU_KVCACHE_SPACE,
+            # with which vllm-cpu 0.32 wants 92% of the machine's memory free at start.
+            hint = ("; on CPU set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, e.g. 2), without which vLLM wants "
+                    "most of the machine's memory" if device == "cpu" and not os.environ.get(KV_SPACE_ENV) else "")
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RetentionError(f"vLLM did not start ({first}; its log above says why){hint}") from None
 
     def sampling_params(self, request: Request, sampling: dict, eos_ids: set[int]):
         """What this project's engine does (`retention.engine.sample_rows`): argmax at temperature 0,

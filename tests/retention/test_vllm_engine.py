@@ -219,10 +219,34 @@ def test_engine_environment_without_parts_loads_the_converted_split_model(tmp_pa
         converted = weights_reference("tiny-eng")
     assert resolve_weights("tiny-eng") == converted  # the engine's environment: no parts any more
     assert converted[2] == spec.sha256 and Path(converted[0], "config.json").is_file()
+    with monkeypatch.context() as m:  # installed parts are verified, converted folder or not
+        m.syspath_prepend(str(site))
+        part = site / "tiny_eng_part2" / "data" / "part02.bin"
+        data = part.read_bytes()
+        part.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        with pytest.raises(RetentionError, match="do not assemble to the pinned GGUF"):
+            resolve_weights("tiny-eng")
     marker = Path(converted[0]) / _CACHE_MARKER
     marker.write_text(json.dumps(dict(json.loads(marker.read_text()), source_sha256="0" * 64)))
     with pytest.raises(RetentionError, match="make install-real-models"):  # converted from another GGUF
         resolve_weights("tiny-eng")
+
+
+@pytest.mark.parametrize("kv_space,hinted", [(None, True), ("2", False)])
+def test_vllm_that_does_not_start_is_one_line(tiny_folder, tmp_path, monkeypatch, kv_space, hinted):
+    """vLLM raises a generic RuntimeError when its engine process fails to start (on CPU without
+    VLLM_CPU_KVCACHE_SPACE: not enough free memory); the user gets one line, nothing written."""
+    seen = _stub_vllm(monkeypatch, lambda _p: None)
+    sys.modules["vllm"].LLM.__init__ = lambda self, **kw: (_ for _ in ()).throw(
+        RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}"))
+    if kv_space is None:
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", kv_space)
+    res = _cli(*ARGS, "--model", tiny_folder, "--temperature", "0", "--engine", "vllm", "--out", tmp_path / "o")
+    assert res.exit_code != 0 and res.output.startswith("Error: vLLM did not start (Engine core initialization")
+    assert res.output.strip().count("\n") == 0 and ("VLLM_CPU_KVCACHE_SPACE" in res.output) == hinted, res.output
+    assert not (tmp_path / "o").exists() and "init" not in seen
 
 
 def _fake_run(path, config, tokens):
