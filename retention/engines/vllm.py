@@ -54,7 +54,7 @@ class VllmEngine:
             raise RetentionError(f"vLLM did not start ({first}; its log above says why){hint}") from None
 
     def sampling_params(self, request: Request, sampling: dict, eos_ids: set[int]):
-        """What this project's engine does (`retention.engine.sample_rows`): argmax at temperature 0,
+        """What this project's engine does (`retention.runtime.engine.sample_rows`): argmax at temperature 0,
         else temperature + top-p; every other filter and penalty neutral, set here rather than left
         to vLLM's defaults, and no minimum length."""
         vllm = _vllm()
