@@ -7,6 +7,10 @@ comparisons such as `|S*_b - S| >= |S|` have no float ties.
 
 All functions are pure: inputs are arrays, randomness comes from a seed, results are plain values or
 the small `PairedResult` dataclass (`to_dict()` gives a JSON-ready dict).
+
+(Over 400 lines: the paired test is one computation, from the per-problem sums through the
+clustered SE, the centred cluster bootstrap and its Monte-Carlo error to the corrections and the
+result record; each function is small and the statistics documentation follows this file in order.)
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ The parent never blocks without a deadline: it waits on the sockets with
 `multiprocessing.connection.wait(timeout=...)` (no signals, so any thread may grade), and on a
 missed deadline SIGKILLs the worker (through a pidfd where available, so a recycled pid is never
 hit), records a timeout and forks a replacement.
+
+(Over 400 lines: the zygote, the worker and the pool share one protocol over one socket pair and
+one set of limits; apart, the kill and restart paths could drift.)
 """
 
 from __future__ import annotations

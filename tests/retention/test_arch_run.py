@@ -84,7 +84,7 @@ def test_per_head_key_scorers_are_refused_on_a_latent_checkpoint(tmp_path):
     model.config.to_json_file(tmp_path / "m" / "config.json")  # the layout needs only the config
     res = _run(["--model", str(tmp_path / "m"), "--scorer", "rkv", "--budget", "16", "--out", str(tmp_path / "o")])
     assert res.exit_code == 1 and res.output.startswith("Error: rkv cannot score the ")
-    assert "per-head post-RoPE keys" in res.output
+    assert "(keys, queries missing)" in res.output
     assert res.output.count("\n") == 1 and not (tmp_path / "o").exists()
 
 
