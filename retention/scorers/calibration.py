@@ -130,38 +130,12 @@ class QueryStats:
     meta: dict[str, Any]
 
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            "qm_real": self.qm.real.float().contiguous(),
-            "qm_imag": self.qm.imag.float().contiguous(),
-            "qa": self.qa.float().contiguous(),
-            "inv_freq": self.inv_freq.float().contiguous(),
-        }
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
-        tmp.replace(path)  # never leave a half-written stats file where a run would find it
-        return path
+        tensors = {"qm_real": self.qm.real, "qm_imag": self.qm.imag, "qa": self.qa, "inv_freq": self.inv_freq}
+        return save_stats_tensors(path, tensors, self.meta)
 
     @classmethod
     def load(cls, path: str | Path) -> QueryStats:
-        from safetensors import SafetensorError, safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise RetentionError(f"no calibration statistics at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {})[META_KEY])
-                if meta.get("kind") == "latent":  # `retention.scorers.calibration_latent`'s files, same family
-                    raise RetentionError(
-                        f"{path} holds latent (MLA) statistics (of {meta.get('model_id')!r}), not the per-head "
-                        "statistics this model needs; calibrate this model with `retention calibrate --model ...`")
-                t = {k: f.get_tensor(k) for k in ("qm_real", "qm_imag", "qa", "inv_freq")}
-        except (KeyError, ValueError, OSError, json.JSONDecodeError, SafetensorError) as exc:
-            raise RetentionError(f"{path} is not a retention statistics file ({type(exc).__name__}: {exc})") from None
+        t, meta = load_stats_tensors(path, ("qm_real", "qm_imag", "qa", "inv_freq"), kind=None)
         return cls(torch.complex(t["qm_real"], t["qm_imag"]), t["qa"], t["inv_freq"], meta)
 
     def check_model(self, model, source: str = "statistics") -> None:
@@ -179,6 +153,65 @@ class QueryStats:
                 + "; ".join(diffs)
                 + ". Calibrate this model with `retention calibrate --model ...`"
             )
+
+
+# What each kind of statistics file holds, for the one line that refuses the other kind.
+_KIND_TEXT = {None: "per-head query statistics", "latent": "latent (MLA) statistics"}
+
+
+def save_stats_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+    """Write statistics `tensors` (float32) and `meta` (JSON under `META_KEY`) to a safetensors file,
+    atomically: never leave a half-written stats file where a run would find it."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: t.float().contiguous() for k, t in tensors.items()}, str(tmp),
+              metadata={META_KEY: json.dumps(meta, sort_keys=True)})
+    tmp.replace(path)
+    return path
+
+
+def load_stats_tensors(path: str | Path, names, kind: str | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors `names` and the metadata of a statistics file of `kind` (None: per-head, "latent");
+    one `RetentionError` line for a missing file, a file of the other kind or not a statistics file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise RetentionError(f"no calibration statistics at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})[META_KEY])
+            found = meta.get("kind")
+            if found != kind:
+                raise RetentionError(
+                    f"{path} holds {_KIND_TEXT.get(found, repr(found))} (of {meta.get('model_id')!r}), not the "
+                    f"{_KIND_TEXT[kind]} this model needs; calibrate this model with `retention calibrate --model ...`")
+            tensors = {k: f.get_tensor(k) for k in names}
+    except (KeyError, ValueError, OSError, json.JSONDecodeError, SafetensorError) as exc:
+        raise RetentionError(f"{path} is not a retention statistics file ({type(exc).__name__}: {exc})") from None
+    return tensors, meta
+
+
+def stats_meta(model, ids: torch.Tensor, model_id: str, geometry: dict, chunk: int, text_source: str,
+               **kind) -> dict:
+    """The metadata of a statistics file: format, model and geometry, the calibration text's tokens
+    (`ids`, `[T]`) and their sha256, version and time; `kind` adds `kind="latent"`."""
+    return {
+        "format": STATS_FORMAT,
+        **kind,
+        "model_id": model_id,
+        "geometry": geometry,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "tokens": ids.numel(),
+        "chunk": chunk,
+        "tokens_sha256": tokens_sha256(ids),
+        "text_source": text_source,
+        "retention_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def tokens_sha256(token_ids: torch.Tensor | list[int]) -> str:
@@ -237,18 +270,8 @@ def calibrate(
             h.remove()
     n = ids.numel()
     qm = torch.complex(sum_re / n, sum_im / n).to(torch.complex64)
-    meta = {
-        "format": STATS_FORMAT,
-        "model_id": model_id or getattr(model.config, "name_or_path", "") or type(model).__name__,
-        "geometry": geo,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "tokens": n,
-        "chunk": chunk,
-        "tokens_sha256": tokens_sha256(ids),
-        "text_source": text_source,
-        "retention_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    model_id = model_id or getattr(model.config, "name_or_path", "") or type(model).__name__
+    meta = stats_meta(model, ids, model_id, geo, chunk, text_source)
     return QueryStats(qm, (sum_abs / n).float(), inv_freq, meta)
 
 

@@ -30,16 +30,16 @@ compressed queries), whose output is the pre-RoPE query `[.., H * (d_nope + d_ro
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from retention import __version__
-from retention.scorers.calibration import DEFAULT_CHUNK, META_KEY, STATS_FORMAT, default_stats_path, tokens_sha256
 from retention.errors import RetentionError
+from retention.scorers.calibration import (DEFAULT_CHUNK, META_KEY, default_stats_path, load_stats_tensors,
+                                          save_stats_tensors, stats_meta)
+from retention.scorers.latent import rope_bands
 
 KIND = "latent"
 TENSORS = ("rope_qm_real", "rope_qm_imag", "rope_qa", "content_mean", "content_qa", "inv_freq")
@@ -166,34 +166,12 @@ class LatentStats:
     meta: dict[str, Any]
 
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         parts = (self.rope_qm.real, self.rope_qm.imag, self.rope_qa, self.content_mean, self.content_qa, self.inv_freq)
-        tensors = {name: t.float().contiguous() for name, t in zip(TENSORS, parts, strict=True)}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(self.meta, sort_keys=True)})
-        tmp.replace(path)  # never leave a half-written file where a run would find it
-        return path
+        return save_stats_tensors(path, dict(zip(TENSORS, parts, strict=True)), self.meta)
 
     @classmethod
     def load(cls, path: str | Path) -> LatentStats:
-        from safetensors import SafetensorError, safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise RetentionError(f"no calibration statistics at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = json.loads((f.metadata() or {})[META_KEY])
-                if meta.get("kind") != KIND:
-                    raise RetentionError(
-                        f"{path} holds per-head query statistics (of {meta.get('model_id')!r}), not the latent "
-                        "statistics an MLA model needs; calibrate this model with `retention calibrate --model ...`")
-                t = {k: f.get_tensor(k) for k in TENSORS}
-        except (KeyError, ValueError, OSError, json.JSONDecodeError, SafetensorError) as exc:
-            raise RetentionError(f"{path} is not a retention statistics file ({type(exc).__name__}: {exc})") from None
+        t, meta = load_stats_tensors(path, TENSORS, kind=KIND)
         return cls(torch.complex(t["rope_qm_real"], t["rope_qm_imag"]), t["rope_qa"], t["content_mean"],
                    t["content_qa"], t["inv_freq"], meta)
 
@@ -206,11 +184,6 @@ class LatentStats:
         if diffs:
             raise RetentionError(f"{source} (calibrated on {self.meta.get('model_id')!r}) do not match this model: "
                                  + "; ".join(diffs) + ". Calibrate this model with `retention calibrate --model ...`")
-
-
-def _bands(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    half = x.shape[-1] // 2
-    return (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
 
 
 def calibrate_latent(model, token_ids, *, chunk: int = DEFAULT_CHUNK, model_id: str | None = None,
@@ -233,7 +206,7 @@ def calibrate_latent(model, token_ids, *, chunk: int = DEFAULT_CHUNK, model_id: 
             q_nope, q_rope = output.detach().reshape(-1, H, dn + dr).split([dn, dr], -1)
             if qk_norm:  # the statistics of the queries the scores see: after the query norms
                 q_nope, q_rope = attn.q_norm(q_nope), attn.q_rope_norm(q_rope)
-            re, im = _bands(q_rope.double().cpu(), latent.query_interleaved)
+            re, im = rope_bands(q_rope.double().cpu(), latent.query_interleaved)
             sums["re"][layer] += re.sum(0)
             sums["im"][layer] += im.sum(0)
             sums["mod"][layer] += torch.hypot(re, im).sum(0)
@@ -256,19 +229,8 @@ def calibrate_latent(model, token_ids, *, chunk: int = DEFAULT_CHUNK, model_id: 
         for h in handles:
             h.remove()
     n = ids.numel()
-    meta = {
-        "format": STATS_FORMAT,
-        "kind": KIND,
-        "model_id": model_id or latent.name or type(model).__name__,
-        "geometry": latent.geometry(),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "tokens": n,
-        "chunk": chunk,
-        "tokens_sha256": tokens_sha256(ids),
-        "text_source": text_source,
-        "retention_version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    meta = stats_meta(model, ids, model_id or latent.name or type(model).__name__, latent.geometry(), chunk,
+                      text_source, kind=KIND)
     s = {k: v / n for k, v in sums.items()}
     return LatentStats(torch.complex(s["re"], s["im"]).to(torch.complex64), s["mod"].float(), s["mean"].float(),
                        s["abs"].float(), latent.inv_freq, meta)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from retention.scorers.frequency import OFFSETS, future_phase
 
 
-def _bands(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_bands(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Real and imaginary parts `[..., F]` of the RoPE bands of `x` `[..., 2F]`: pairs `(2f, 2f+1)`
     (`retention.models.arch.modules.rope`, DeepSeek's complex form) or `(f, f+F)` (Llama's half split)."""
     if interleaved:
@@ -69,7 +69,7 @@ def latent_triattention_scores(latent: torch.Tensor, k_rope: torch.Tensor, next_
     content_factor `[B, Gc, n]`, optional: a positive per-token factor of the content key of each group
         of `H / Gc` heads (QK-norm MLA's cached inverse RMS); None: 1.
     offsets: TriAttention's future offsets `o` (default `{1, 2, 4, ..., 2^16}`).
-    interleaved: the band pairing of the stored key (`_bands`).
+    interleaved: the band pairing of the stored key (`rope_bands`).
     rope_scale: a factor the model's rotation applies to both the rope query and key (YaRN's attention
         factor in DeepSeek checkpoints): the stored key carries it, the pre-RoPE statistics do not,
         so the RoPE term is multiplied by it once.
@@ -90,7 +90,7 @@ def latent_triattention_scores(latent: torch.Tensor, k_rope: torch.Tensor, next_
         per_head = content_factor.to(dtype).repeat_interleave(H // content_factor.shape[1], dim=1)
         content = content * per_head
     # RoPE term: TriAttention's linear form on the shared key, W_hf = Qm_hf * mean_o exp(i w_f (t + o)).
-    re, im = _bands(k_rope.to(dtype), interleaved)  # [B, n, F]
+    re, im = rope_bands(k_rope.to(dtype), interleaved)  # [B, n, F]
     qm = rope_qm.to(torch.complex128)
     if isinstance(next_position, int):
         w = (qm * future_phase(inv_freq, next_position, offsets).to(qm.device))[None].expand(B, -1, -1)

@@ -19,7 +19,7 @@ from retention.models.arch.modules import _heads, rope
 from retention.scorers.calibration import QueryStats, calibrate, load_stats, tokens_sha256
 from retention.scorers.calibration_latent import LatentStats, calibrate_latent, latent_model, load_latent_stats
 from retention.errors import RetentionError
-from retention.scorers.latent import _bands, latent_triattention_scores
+from retention.scorers.latent import latent_triattention_scores, rope_bands
 
 IDS = torch.randint(0, 259, (150,), generator=torch.Generator().manual_seed(3))
 
@@ -204,7 +204,7 @@ def test_one_query_statistics_give_the_models_logit(case):
             q_rot = attn._rope(q_rope[None, :, None], pos)[0, :, 0]
             scale = attn.scaling
         logits = (torch.einsum("he,hne->hn", q_nope, k_nope) + q_rot @ kr.T) * scale
-    re, im = _bands(q_rope, latent.query_interleaved)
+    re, im = rope_bands(q_rope, latent.query_interleaved)
     qm = torch.complex(re, im)
     w_uk_t, _ = latent.up_weights(layer)
     rho = cache.read(f"L{layer}.inv_rms")[0] if latent.family == "qk-norm-mla" else None  # [G, n, 1]
