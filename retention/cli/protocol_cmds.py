@@ -237,6 +237,9 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     runner, spec = resolve_runner(runner_spec, plan)
     if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
+    # The split manifest these problems come from (--splits-dir's), checked against the plan's on
+    # both paths: a shard generates, so it must refuse a differing manifest as the merge does.
+    manifest_hash = manifest_hash or manifest_sha256(splits_dir, dataset=plan.get("dataset", "math500"))
     if shard_text is not None:
         from retention.scale.confirm_shard import generate_confirm_shard
         from retention.scale.shard import parse_shard
@@ -249,8 +252,7 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
                                validate=validate_confirm_arm, log=click.echo)
         return
     entries = prereg.confirm(
-        plan_path, out, runner,
-        manifest_hash=manifest_hash or manifest_sha256(splits_dir, dataset=plan.get("dataset", "math500")),
+        plan_path, out, runner, manifest_hash=manifest_hash,
         validate=validate_confirm_arm, runner_spec=spec,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,

@@ -371,6 +371,26 @@ def test_cli_refused_confirm_leaves_no_lock_folder(tmp_path):
     assert not (tmp_path / "again").exists()
 
 
+def test_cli_confirm_shard_checks_the_manifest_of_splits_dir(tmp_path, monkeypatch):
+    """`confirm --shard` verifies the plan's split manifest against --splits-dir's, as the
+    unsharded confirm does (it used to check the default splits whatever --splits-dir said)."""
+    import shutil
+
+    import retention.jobs as jobs
+
+    calls = []
+    monkeypatch.setattr(jobs, "confirm_runner", lambda *a, **kw: calls.append(a))
+    assert _preregister(tmp_path / "p").exit_code == 0
+    plan_path = next((tmp_path / "p").glob("plan-*.json"))
+    other = tmp_path / "splits"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "splits", other)
+    manifest = other / "math500" / "manifest.json"
+    manifest.write_text(manifest.read_text() + "\n")  # the same lists (it verifies), other bytes
+    _one_error(_confirm(plan_path, tmp_path / "c", "--shard", "0/2", "--splits-dir", str(other)),
+               "split manifest", "differs from the registered")
+    assert calls == [] and not (tmp_path / "c").exists()
+
+
 def test_cli_limit_one_refused_at_preregister(tmp_path):
     _one_error(_preregister(tmp_path / "p", "--treatment-set", "limit=1", "--baseline-set", "limit=1"),
                "at least 2")
