@@ -205,7 +205,8 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
     batch_sizes = batch_sizes or [1]
     contexts = contexts or [None]
     kib = loaded.geometry.kib_per_token
-    math_prompt = format_prompt(loaded.tokenizer, problems[0].problem)
+    style = getattr(loaded, "prompt", "chat")  # the model's own prompt, as `retention run` builds it
+    math_prompt = format_prompt(loaded.tokenizer, problems[0].problem, style)
     out = {"model": loaded.name, "model_id": loaded.model_id, "dtype": loaded.dtype, "device": loaded.device,
            "budget": budget, "new_tokens": new_tokens, "prompt_tokens": len(math_prompt), "batch_sizes": batch_sizes,
            "contexts": contexts, "lockstep": True, "versions": library_versions(), "speed": [], "agreement": []}
@@ -230,7 +231,7 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
         t0 = time.perf_counter()
         ref = {}
         for p in problems[:agreement_problems]:
-            ids = format_prompt(loaded.tokenizer, p.problem)
+            ids = format_prompt(loaded.tokenizer, p.problem, style)
             ref[p.unique_id] = (ids, generate(loaded.model, ids, _policy("full", None, None, "mean", {}), greedy, set(), kib).token_ids)
         for scorer in scorers:
             if scorer == "full" or scorer in REFERENCE_VARIANTS:

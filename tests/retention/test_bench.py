@@ -67,3 +67,22 @@ def test_bench_batched_lockstep_rows(tmp_path):
 def test_bench_bad_lists_fail_with_one_line():
     res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--batch-sizes", "1,x"])
     assert res.exit_code != 0 and "--batch-sizes" in res.output and "Traceback" not in res.output
+
+
+def test_bench_prompts_the_model_as_run_does():
+    """An R1-style model is benchmarked on its R1 prompt (`retention run`'s), not the chat template."""
+    from dataclasses import replace
+
+    from protocol.data import load_problems
+    from retention.bench import run_bench
+    from retention.models import format_prompt, load_model
+
+    loaded = load_model("tiny-random")
+    problems = load_problems()[:1]
+    figures = {}
+    for style in ("chat", "r1"):
+        model = replace(loaded, prompt=style)
+        fig = run_bench(model, problems, ["full"], 8, 4, ["mean"], agreement_problems=0)
+        figures[style] = fig["prompt_tokens"]
+        assert fig["prompt_tokens"] == len(format_prompt(loaded.tokenizer, problems[0].problem, style))
+    assert figures["chat"] != figures["r1"]
