@@ -199,7 +199,7 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
     the first dev problem's prompt, an int = that many tokens of real text."""
     from retention.runtime.generate import SamplingConfig, generate
     from retention.models import format_prompt
-    from retention.runner import library_versions
+    from retention.versions import library_versions
 
     params = params or {}
     batch_sizes = batch_sizes or [1]

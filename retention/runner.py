@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import platform
 import re
 import subprocess
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from protocol.io import (append_line, canonical_json, ensure_dir, jsonl_line, load_json_object, read_jsonl,
                          write_atomic, write_json)
 from retention import __version__
+from retention.versions import library_versions
 from retention.errors import RetentionError
 
 # Bumped when the meaning of a configuration field changes; plans and ledgers record it.
@@ -55,18 +55,6 @@ def code_version() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return __version__
-
-
-def library_versions() -> dict:
-    import torch
-    import transformers
-
-    return {
-        "retention": __version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def run_id_for(config: dict) -> str:

@@ -9,11 +9,14 @@ with `protect_prompt`, where the prompt is kept on top of `b`) are compacted in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from retention.runtime.cache import RetentionCache
 from retention.runtime.cadence import Cadence, default_interval
 from retention.runtime.meter import BudgetMeter
-from retention.scorers.base import Scorer
+
+if TYPE_CHECKING:  # the type only: the scorers read this package's cache, the policy just calls them
+    from retention.scorers.base import Scorer
 
 
 @dataclass

@@ -152,7 +152,7 @@ def describe(config: ArchConfig) -> dict:
 def run_layout_bench(names: list[str], contexts: list[int], batch_sizes: list[int], *, steps: int, dtype: str,
                      device: str, echo: Callable[[str], None] = print) -> dict:
     """The JSON figures of `retention bench --layouts`: the configurations, then the rows."""
-    from retention.runner import library_versions
+    from retention.versions import library_versions
 
     configs = {n: {**describe(VARIANTS[n].config), "absorb": VARIANTS[n].absorb,
                    "parameters": count_parameters(VARIANTS[n].config),
