@@ -76,21 +76,10 @@ def test_an_unlimited_budget_reproduces_the_full_cache(tmp_path, model):
 
 
 def test_a_deepseek_checkpoint_calibrates_and_runs_triattention(tmp_path):
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    from tests.retention.test_arch_run import _tiny_deepseek_v2
 
-    from retention.models import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    config = DeepseekV2Config(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-        v_head_dim=16, first_k_dense_replace=2, tie_word_embeddings=False, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0}, initializer_range=0.2,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        DeepseekV2ForCausalLM(config).eval().save_pretrained(tmp_path / "ds")
+    model, tok = _tiny_deepseek_v2()
+    model.save_pretrained(tmp_path / "ds")
     tok.save_pretrained(tmp_path / "ds")
     stats = _calibrate(tmp_path, str(tmp_path / "ds"))
     out = tmp_path / "out"
