@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# The main job on the embedded default model (SmolLM2-135M, shipped in a package, CPU):
+# The main job (`make run`: MODEL=qwen2.5-coder-0.5b PROBLEMS=16 TOKENS=768 BUDGET=128; `make run-small`:
+# the defaults below, on the embedded SmolLM2-135M), on the CPU:
 #   1. calibrate TriAttention's pre-RoPE query statistics (dev-split text, never confirm),
-#   2. run alpha (lambda 0.5) and triattention at a measured mean cache of 64 tokens on 32 dev
-#      problems, greedy, batched (16 sequences per step, continuously refilled), with the fidelity proxy (per-step KL and top-1 agreement vs the full cache
-#      along the same tokens), and the full cache as the reference row,
+#   2. run alpha (lambda 0.5) and triattention at a measured mean cache of BUDGET tokens on the first
+#      PROBLEMS dev problems, greedy, batched (16 sequences per step, continuously refilled), with the
+#      fidelity proxy (per-step KL and top-1 agreement vs the full cache along the same tokens), and
+#      the full cache as the reference row,
 #   3. report: paired statistics, CSV, LaTeX, PNG, a table on the terminal, and the exploratory
 #      paired test on the fidelity proxy (mean KL, first divergence step; alpha vs triattention).
-# SmolLM2-135M cannot solve MATH problems: accuracy is ~0 for every arm; the fidelity columns are
-# what this demo measures. Real models: see the README (GPU section).
+# SmolLM2-135M cannot solve MATH problems (accuracy ~0 for every arm; the fidelity columns are what it
+# measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see the README (GPU section).
 set -euo pipefail
 RETENTION=${1:-retention}
 OUT=${2:-results/demo}
