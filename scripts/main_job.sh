@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job (`make run`: MODEL=qwen2.5-coder-0.5b PROBLEMS=16 TOKENS=768 BUDGET=128; `make run-small`:
-# the defaults below, on the embedded SmolLM2-135M), on the CPU:
+# The main job on the CPU. `make run` passes the real model's settings (the Makefile says which);
+# `make run-small` uses the defaults below, on the embedded SmolLM2-135M:
 #   1. calibrate TriAttention's pre-RoPE query statistics (dev-split text, never confirm),
 #   2. run alpha (lambda 0.5) and triattention at a measured mean cache of BUDGET tokens on the first
 #      PROBLEMS dev problems, greedy, batched (16 sequences per step, continuously refilled), with the
