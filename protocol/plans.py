@@ -35,12 +35,12 @@ ARMS = ("baseline", "treatment")
 _PLAN_LEVEL_KEYS = {"model", "budget", "samples", "seed", "max_new_tokens", "split", "plan_hash"}
 DEFAULT_DATASET = "math500"
 # The built-in generation runner: the one a plan runs with when it registers none.
-DEFAULT_RUNNER_SPEC = "retention.jobs:confirm_runner"
+DEFAULT_RUNNER_SPEC = "retention.runs.jobs:confirm_runner"
 _RUNNER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 # Arm keys that say how or how much is run, not what is compared: not part of a cell's identity.
 _EXECUTION_KEYS = {"device", "engine", "dtype", "limit", "data", "fidelity"}
-# Defaults of the run configuration (retention.arms.validate_arm): a key at its default is the
+# Defaults of the run configuration (retention.runs.arms.validate_arm): a key at its default is the
 # same arm whether it is written or not.
 _ARM_DEFAULTS = {"accounting": "mean", "temperature": 0.6, "top_p": 0.95, "ignore_eos": False,
                  "protect_prompt": False, "interval": None, "sink": None, "recent": None}
@@ -185,7 +185,7 @@ def build_plan(*, models: Iterable[str], budgets: Iterable[int | None], treatmen
 def with_cell_stats(plan: dict, resolved: dict[str, dict[str, str | None]]) -> dict:
     """The plan with each cell's calibration statistics recorded by content:
     cell["stats_sha256"] = {"treatment": sha256 or None, "baseline": ...}, as
-    `retention.arms.validate_plan` resolves them (each model of a study has its own)."""
+    `retention.runs.arms.validate_plan` resolves them (each model of a study has its own)."""
     plan = json.loads(canonical_json(plan))
     for cell in plan["cells"]:
         got = resolved.get(cell["id"], {})

@@ -4,8 +4,8 @@
     recs = run_arm("tiny-random", "alpha", budget=40, limit=2, max_new_tokens=64, params={"lam": 0.5})
     df = records_frame(recs)
 
-`run_arm` builds the arm exactly as `retention run` does (`retention.arms.validate_arm`) and generates
-through the same job (`retention.jobs.execute`), so it writes, and resumes, the same run directory
+`run_arm` builds the arm exactly as `retention run` does (`retention.runs.arms.validate_arm`) and generates
+through the same job (`retention.runs.jobs.execute`), so it writes, and resumes, the same run directory
 under `out` as the equivalent `retention run` command. The scorer is a name or spec (as `--scorer`
 takes) or a `Scorer` instance: its class is named by its importable `module:qualname` (or, for a
 class defined in a notebook, that text registered for this process) and its public dataclass fields
@@ -63,8 +63,8 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
     `retention run`'s options of the same names.
     """
     from protocol.io import read_jsonl
-    from retention.arms import validate_arm
-    from retention.jobs import execute
+    from retention.runs.arms import validate_arm
+    from retention.runs.jobs import execute
 
     if split != "dev":
         raise RetentionError("the confirm split is reachable only through a pre-registered plan (retention confirm)")

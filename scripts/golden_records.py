@@ -14,8 +14,8 @@ and 8, float64, greedy, fidelity on, the first `LIMIT` dev problems, `MAX_NEW_TO
 compacts every `INTERVAL` steps. A pair that `retention run` refuses (a layout model and a scorer
 that reads per-head keys) is recorded as the one `Error:` line the CLI prints.
 
-How: each run goes through what `retention run` calls, `retention.arms.validate_arm` then
-`retention.jobs.execute` (run directories under a temporary `--out`, temporary
+How: each run goes through what `retention run` calls, `retention.runs.arms.validate_arm` then
+`retention.runs.jobs.execute` (run directories under a temporary `--out`, temporary
 `RETENTION_STATE_DIR` and `RETENTION_CACHE_DIR`), and the records and traces are read back from the
 run directory. Two things are not reachable from the command line and are done here:
 * float64: `--dtype` offers float32/bfloat16/float16; `retention.dtypes.DTYPES` is extended with
@@ -163,7 +163,7 @@ def _private_dirs():
 
 def _refusal(model: str, scorer: str, out: Path, stats: str | None) -> str | None:
     """The `Error:` line `retention run` prints for this pair, or None when it accepts the pair."""
-    from retention.arms import validate_arm
+    from retention.runs.arms import validate_arm
     from retention.errors import RetentionError
 
     try:
@@ -211,8 +211,8 @@ def _stats_file(model: str, out: Path) -> str:
 
 def run_one(model: str, scorer: str, batch_size: int, problems, out: Path, stats: str | None) -> dict:
     """One golden run: its records (compared fields), traces and kept-set events, or its refusal."""
-    from retention.arms import validate_arm
-    from retention.jobs import execute
+    from retention.runs.arms import validate_arm
+    from retention.runs.jobs import execute
 
     row = {"model": model, "scorer": scorer, "batch_size": batch_size, "dtype": DTYPE}
     refused = _refusal(model, scorer, out, stats)
@@ -252,7 +252,7 @@ def manifest() -> dict:
     import torch
     import transformers
 
-    from retention.runner import code_version
+    from retention.runs.runner import code_version
 
     return {"code_version": code_version(), "models": list(MODELS), "scorers": list(SCORERS), "batch_sizes": list(BATCH_SIZES), "dtype": DTYPE,
             "limit": LIMIT, "max_new_tokens": MAX_NEW_TOKENS, "budget": BUDGET, "interval": INTERVAL,

@@ -84,7 +84,7 @@ def _regrade(run_dir: Path, verdict) -> None:
 def oracle_runner(cell, arm, arm_config, out_dir, **kw):
     """The real confirm runner, then the seeded oracle's grades (see the module docstring). With
     `shard=` it only generates that shard (a shard is not a result); the final call merges and grades."""
-    from retention.jobs import confirm_runner
+    from retention.runs.jobs import confirm_runner
 
     run_dir = Path(confirm_runner(cell, arm, arm_config, out_dir, **kw))
     if kw.get("shard") is not None:

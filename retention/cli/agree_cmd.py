@@ -18,7 +18,7 @@ def agree_command(run_a, run_b, as_json):
     """Tokens before the first divergence, per (problem, sample), between run directories RUN_A and
     RUN_B of the same configuration on two engines (e.g. `--engine hf` and `--engine vllm`)."""
     from protocol.report import load_run
-    from retention.engines.agreement import compare_records, config_differences, summarize, verdict
+    from retention.runs.engines.agreement import compare_records, config_differences, summarize, verdict
 
     a, b = load_run(run_a, grade=_no_grade), load_run(run_b, grade=_no_grade)
     differ = config_differences(a.config, b.config)

@@ -72,9 +72,9 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
         raise RetentionError(f"{model} is a reference layout model: time its family with `retention bench --layouts`, "
                              f"generate with `retention run --model {model}`")
     from protocol.splits import load_split
-    from retention.bench import REFERENCE_VARIANTS, run_bench
+    from retention.runs.bench import REFERENCE_VARIANTS, run_bench
     from retention.runtime.cadence import ACCOUNTING_MODES
-    from retention.jobs import budget_from_bytes
+    from retention.runs.jobs import budget_from_bytes
     from retention.models import load_model
     from retention.scorers import get_scorer_class
 
@@ -94,7 +94,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
         raise RetentionError(f"--accounting: {', '.join(bad)} is not one of {', '.join(ACCOUNTING_MODES)}")
     if lam is not None and lam != lam:  # click's FloatRange lets nan through
         raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
-    from retention.scorer_options import resolve
+    from retention.runs.scorer_options import resolve
     from retention.runtime.policy import cadence_for
     from retention.scorers import make_scorer
 
@@ -104,7 +104,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     if scorer_names:  # an option no listed scorer takes is an error, as in `run`
         resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
     if stats_path is not None:  # a file that is not statistics fails here, in one line, as in `run`
-        from retention.arms import check_stats_file
+        from retention.runs.arms import check_stats_file
 
         check_stats_file(Path(stats_path))
     for n in scorer_names:  # every cadence is checked before the model loads

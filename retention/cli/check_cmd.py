@@ -24,7 +24,7 @@ def check_scorer_command(spec, params, context, share_budget, share_tokens):
     passes.
     """
     from retention.contract import run_checks
-    from retention.scorer_options import resolve
+    from retention.runs.scorer_options import resolve
     from retention.scorers import get_scorer_class
 
     get_scorer_class(spec)  # a plugin that does not import is one error line, not a failed check

@@ -15,7 +15,7 @@ def conformance_command(directory):
 
     Prints one line per case; exits 1 if any case fails.
     """
-    from retention.conformance import check_dir, shipped_dir
+    from retention.runs.conformance import check_dir, shipped_dir
 
     results = check_dir(directory or shipped_dir())
     for r in results:

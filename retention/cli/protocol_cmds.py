@@ -2,7 +2,7 @@
 
 The work is done in `protocol.prereg` and `protocol.report`, imported inside the
 commands so that `retention --help` stays fast. `confirm` needs a generation runner (see
-`protocol.prereg`'s runner contract), chosen by `retention.confirm_inputs.resolve_runner`.
+`protocol.prereg`'s runner contract), chosen by `retention.runs.confirm_inputs.resolve_runner`.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     from protocol import prereg
     from protocol.splits import manifest_sha256
 
-    from retention.arms import normalize_arm, validate_plan
+    from retention.runs.arms import normalize_arm, validate_plan
 
     if manifest_hash is not None and not re.fullmatch(r"[0-9a-f]{64}", manifest_hash):
         raise click.ClickException(f"--manifest-hash must be 64 lowercase hex digits, got {manifest_hash!r}")
@@ -164,7 +164,7 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
     baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
     if runner_spec is not None:
-        from retention.confirm_inputs import load_runner
+        from retention.runs.confirm_inputs import load_runner
 
         load_runner(runner_spec)  # a runner that cannot run is refused now, not at confirm
     plan = prereg.build_plan(
@@ -228,8 +228,8 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
 
     from protocol.splits import manifest_sha256
 
-    from retention import jobs
-    from retention.confirm_inputs import resolve_runner, validate_confirm_arm
+    from retention.runs import jobs
+    from retention.runs.confirm_inputs import resolve_runner, validate_confirm_arm
 
     plan, h = prereg.load_plan(plan_path)
     override_map = _key_values(overrides, "--override") or None
@@ -241,8 +241,8 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     # both paths: a shard generates, so it must refuse a differing manifest as the merge does.
     manifest_hash = manifest_hash or manifest_sha256(splits_dir, dataset=plan.get("dataset", "math500"))
     if shard_text is not None:
-        from retention.scale.confirm_shard import generate_confirm_shard
-        from retention.scale.shard import parse_shard
+        from retention.runs.scale.confirm_shard import generate_confirm_shard
+        from retention.runs.scale.shard import parse_shard
 
         if spec is not None and spec != plan.get("runner", prereg.DEFAULT_RUNNER_SPEC):
             raise click.ClickException(f"--runner {spec} is not the plan's registered runner: --shard generates "
@@ -305,6 +305,6 @@ commands = [preregister_cmd, confirm_cmd, report_cmd]
 
 def _runtime_schema() -> int:
     """The runtime's configuration schema version: what a registered arm configuration means."""
-    from retention.runner import CONFIG_SCHEMA_VERSION
+    from retention.runs.runner import CONFIG_SCHEMA_VERSION
 
     return CONFIG_SCHEMA_VERSION

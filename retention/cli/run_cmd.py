@@ -8,10 +8,10 @@ from pathlib import Path
 import click
 
 from protocol.io import check_writable_dir
-from retention.arms import ENGINES, validate_arm
+from retention.runs.arms import ENGINES, validate_arm
 from retention.cli.options import splits_dir_option
 from retention.errors import RetentionError
-from retention.jobs import budget_from_bytes, execute
+from retention.runs.jobs import budget_from_bytes, execute
 
 def _bounded(name, lo, hi, lo_open=False):
     """A callback refusing values outside [lo, hi] (or (lo, hi]) and non-finite floats (click's
@@ -125,7 +125,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     if split == "confirm":
         raise RetentionError("the confirm split is reachable only through a pre-registered plan: "
                              "`retention preregister` then `retention confirm --plan PLAN.json`")
-    from retention.scale.shard import parse_shard
+    from retention.runs.scale.shard import parse_shard
 
     shard = parse_shard(shard_text)
     names = _scorer_list(scorers)
@@ -140,7 +140,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
                                  "keeps every token); drop it, or list a retention scorer")
     budget = budget_from_bytes(model, dtype, budget, budget_kib)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
-    from retention.scorer_options import resolve
+    from retention.runs.scorer_options import resolve
 
     shared = {"--lambda": lam, "--radius": radius, "--window": window, "--routing": routing, "--stats": stats_path}
     options = resolve(names, shared, params)  # per listed scorer; an option no listed scorer takes is an error
@@ -168,7 +168,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     cpus_per_shard = 1.0 if cpus_per_shard is None else cpus_per_shard
     retries = 3 if retries is None else retries
     if ray_address is not None or shards is not None:
-        from retention.scale.ray import ray_options
+        from retention.runs.scale.ray import ray_options
 
         ray_opts = ray_options(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
                                cpus_per_shard=cpus_per_shard, retries=retries, shard=shard)
@@ -176,7 +176,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     _announce_size(arm_specs, split if dataset == "math500" else dataset, data_path, limit, samples, max_new_tokens,
                    device)
     if ray_opts is not None:
-        from retention.scale.ray import launch_from_cli
+        from retention.runs.scale.ray import launch_from_cli
 
         run_dirs = launch_from_cli(job, ray_opts, progress=not quiet)
         shard = None  # merged

@@ -13,7 +13,7 @@ end sequences at different steps, and returns one `CheckResult` per check:
   what its meter counts, the bytes stored are those tokens';
 * mean budget held: no sequence's measured mean cache is above the budget;
 * determinism: two runs with fresh scorers give the same tokens and kept sets;
-* resume: a run interrupted after two records and resumed (`retention.runner`) writes the records an
+* resume: a run interrupted after two records and resumed (`retention.runs.runner`) writes the records an
   uninterrupted run writes (seeded sampling, so per-sequence seeds matter too);
 * host reads per token: the scorer's per-forward hook (`observe`) reads nothing on the host, and
   everything outside the scorer's hooks reads exactly the engine's documented reads (one per step,
@@ -55,7 +55,7 @@ class CheckResult:
 
 def _stats_for(params: dict, spec: str, model, tmp: Path) -> dict:
     """Calibration statistics for a scorer that takes `stats` and was given none (tiny-random's own)."""
-    from retention.scorer_options import scorer_fields
+    from retention.runs.scorer_options import scorer_fields
 
     if "stats" not in scorer_fields(spec) or params.get("stats"):
         return params
@@ -67,7 +67,7 @@ def _stats_for(params: dict, spec: str, model, tmp: Path) -> dict:
 
 class _Kit:
     def __init__(self, spec: str, params: dict, tmp: Path):
-        from retention.arms import check_scorer_reads
+        from retention.runs.arms import check_scorer_reads
         from retention.models import load_model, resolve_model
         from retention.scorers import make_scorer
 
@@ -264,7 +264,7 @@ class _Interrupt(BaseException):
 
 def _resume(kit: _Kit) -> CheckResult:
     """A run interrupted after two records, then resumed, writes what an uninterrupted run writes."""
-    from retention.runner import Arm, RunDir, run_arms
+    from retention.runs.runner import Arm, RunDir, run_arms
 
     loaded = dataclasses.replace(kit.loaded, model=kit.m64)
     problems = [SimpleNamespace(unique_id=f"p{i}", problem="What is " + "1+" * (3 + 5 * i) + "1?", answer="1")

@@ -187,7 +187,7 @@ def test_ledger_entry_names_identity_test_and_runner(tmp_path):
     assert entry["cell_identity"] == prereg.cell_identity(plan, plan["cells"][0])
     assert entry["cell_key"] == _key(plan)
     assert entry["test"] == plan["test"]
-    assert entry["runner"] == {"spec": "retention.jobs:confirm_runner", "registered": True}
+    assert entry["runner"] == {"spec": "retention.runs.jobs:confirm_runner", "registered": True}
 
 
 def test_unregistered_runner_is_recorded_and_a_deviation(tmp_path):
@@ -197,7 +197,7 @@ def test_unregistered_runner_is_recorded_and_a_deviation(tmp_path):
     devs = _log(ledger.deviations_path(tmp_path / "a"))
     assert [(d["kind"], d["cell_id"], d["actual"]) for d in devs] == [
         ("runner", CELL, "my.mod:runner"), ("runner", "qwen-1.5b@b512", "my.mod:runner")]
-    assert all(d["planned"] == "retention.jobs:confirm_runner" for d in devs)
+    assert all(d["planned"] == "retention.runs.jobs:confirm_runner" for d in devs)
     assert all(e["deviations"] == [d["hash"]] for e, d in zip(entries, devs))
     # a plan that registers the runner: no deviation
     path2, _, _ = prereg.write_plan(new_plan(budgets=[1024], runner="my.mod:runner"), tmp_path / "plans")
@@ -376,7 +376,7 @@ def test_cli_confirm_shard_checks_the_manifest_of_splits_dir(tmp_path, monkeypat
     unsharded confirm does (it used to check the default splits whatever --splits-dir said)."""
     import shutil
 
-    import retention.jobs as jobs
+    import retention.runs.jobs as jobs
 
     calls = []
     monkeypatch.setattr(jobs, "confirm_runner", lambda *a, **kw: calls.append(a))
@@ -399,7 +399,7 @@ def test_cli_limit_one_refused_at_preregister(tmp_path):
 
 
 def test_cli_confirm_shard_records_started(tmp_path, monkeypatch):
-    import retention.jobs as jobs
+    import retention.runs.jobs as jobs
 
     calls = []
 

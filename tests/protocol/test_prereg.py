@@ -418,7 +418,7 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     base = ["confirm", "--plan", str(plans[0]), "--out", str(out),
             "--code-version", "0.1.0+gtest"]
     monkeypatch.setattr(prereg, "DEFAULT_RUNNER", None)
-    import retention.jobs as jobs
+    import retention.runs.jobs as jobs
 
     monkeypatch.delattr(jobs, "confirm_runner", raising=False)
     res = _cli(base)

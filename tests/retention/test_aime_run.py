@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from protocol.data import load_aime
 from protocol.exploration import explored, explored_ids
-from retention.arms import validate_arm
+from retention.runs.arms import validate_arm
 from retention.cli import main
 from retention.errors import RetentionError
 
@@ -74,7 +74,7 @@ def test_arm_dataset_values_are_validated(bad):
 
 
 def test_confirm_runner_runs_the_whole_aime_set_as_confirm(tmp_path):
-    from retention.jobs import confirm_runner
+    from retention.runs.jobs import confirm_runner
 
     cfg = {"scorer": "full", "scorer_params": {}, "model": "tiny-random", "budget": None, "samples": 1, "seed": 0,
            "max_new_tokens": 1, "temperature": 0.0, "split": "confirm", "plan_hash": "0" * 64, "dataset": "aime24",

@@ -165,7 +165,7 @@ def test_compacting_to_everything_is_bit_identical():
 
 @pytest.mark.parametrize("name", ["triattention", "alpha"])
 def test_position_statistic_scorers_are_refused(name):
-    from retention.arms import validate_arm
+    from retention.runs.arms import validate_arm
 
     with pytest.raises(RetentionError, match=r"tiny-cla cache: it reads .*latent.* provides attention, positions \(calibration, .*missing\)"):
         validate_arm({"model": "tiny-cla", "scorer": name, "budget": 16})  # tiny-mla: tests/retention/test_latent_run.py

@@ -74,7 +74,7 @@ def test_bench_prompts_the_model_as_run_does():
     from dataclasses import replace
 
     from protocol.data import load_problems
-    from retention.bench import run_bench
+    from retention.runs.bench import run_bench
     from retention.models import format_prompt, load_model
 
     loaded = load_model("tiny-random")

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from retention.cli import main
-from retention.conformance import CaseResult, check_case, check_dir, shipped_dir
+from retention.runs.conformance import CaseResult, check_case, check_dir, shipped_dir
 
 
 def test_every_shipped_case_passes():
@@ -141,7 +141,7 @@ def test_tie_class_rule():
 
 def test_triattention_z_tolerance_is_per_head():
     """The README's rule: per head 2e-4 * max|raw| / sigma_head + 1e-6 (sigma over the candidates)."""
-    from retention.conformance import load_case, tri_z_tolerance
+    from retention.runs.conformance import load_case, tri_z_tolerance
 
     _, t = load_case(shipped_dir() / "triattention_score_case0.safetensors")
     raw = t["raw_head_scores"].double()
@@ -156,7 +156,7 @@ def test_triattention_z_tolerance_is_per_head():
 @pytest.mark.parametrize("factor,ok", [(0.9, True), (1.1, False)])
 def test_zscore_error_against_its_head_tolerance(tmp_path, factor, ok):
     """An error of 0.9 of the loosest head's tolerance (above the old fixed 1e-3) passes; 1.1 fails."""
-    from retention.conformance import load_case, tri_z_tolerance
+    from retention.runs.conformance import load_case, tri_z_tolerance
 
     path = copy_case(tmp_path, "triattention_score_case0")
     _, t = load_case(path)

@@ -207,7 +207,7 @@ def test_snapkv_head_rule_is_refused_on_layout_models(tmp_path):
 
 
 def test_plan_validation_refuses_them_too():
-    from retention.arms import validate_arm
+    from retention.runs.arms import validate_arm
 
     with pytest.raises(RetentionError, match="cannot score the tiny-kv cache"):
         validate_arm({"model": "tiny-kv", "scorer": "alpha", "budget": 16})

@@ -83,7 +83,7 @@ def test_a_refusal_names_what_is_missing():
 
 
 def test_snapkv_rule_is_recorded_only_when_set():
-    from retention.arms import validate_arm
+    from retention.runs.arms import validate_arm
     from retention.errors import RetentionError
 
     base = {"model": "tiny-random", "scorer": "snapkv", "budget": 16}

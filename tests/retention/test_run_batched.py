@@ -32,7 +32,7 @@ def test_batched_resume_equals_batch_one(tmp_path, monkeypatch):
     res = CliRunner().invoke(main, ["run", *ARGS, "--batch-size", "1", "--out", str(one)])
     assert res.exit_code == 0, res.output
 
-    from retention import runner
+    from retention.runs import runner
 
     real_append = runner.RecordStore.append
     calls = {"n": 0}

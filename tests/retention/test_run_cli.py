@@ -52,7 +52,7 @@ def test_resume_after_crash_equals_uninterrupted(tmp_path, monkeypatch):
     full_out, crash_out = tmp_path / "full", tmp_path / "crash"
     assert _run([*ARGS, "--out", str(full_out)]).exit_code == 0
 
-    from retention import runner
+    from retention.runs import runner
 
     real_append = runner.RecordStore.append
     calls = {"n": 0}

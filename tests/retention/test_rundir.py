@@ -8,8 +8,8 @@ import pytest
 
 from protocol.errors import ProtocolError
 from retention.errors import RetentionError
-from retention.runner import Arm, RunDir, count_pending
-from retention.scale.shard import shard_pairs
+from retention.runs.runner import Arm, RunDir, count_pending
+from retention.runs.scale.shard import shard_pairs
 
 CONFIG = {"model": "tiny-random", "scorer": "streaming", "budget": 40, "samples": 2}
 

@@ -4,8 +4,8 @@ import pytest
 from click.testing import CliRunner
 
 from retention.cli import main
-from retention.arms import build_arm_config
-from retention.scorer_options import resolve
+from retention.runs.arms import build_arm_config
+from retention.runs.scorer_options import resolve
 from retention.errors import RetentionError
 
 BASE = {"model": "tiny-random", "budget": 64, "interval": None, "sink": None, "recent": None, "accounting": "mean"}

@@ -168,7 +168,7 @@ def test_cli_configuration_of_new_scorers(tmp_path):
     import hashlib
     import json
 
-    from retention.arms import build_arm_config
+    from retention.runs.arms import build_arm_config
     from retention.errors import RetentionError
 
     stats = tmp_path / "stats.safetensors"

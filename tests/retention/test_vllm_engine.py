@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from retention import engines
+from retention.runs import engines
 from retention.cli import main
-from retention.engines.agreement import first_divergence
-from retention.engines.base import Completion
+from retention.runs.engines.agreement import first_divergence
+from retention.runs.engines.base import Completion
 
 VOLATILE = {"wall_seconds", "tokens_per_second", "config_hash", "batch_size"}
 ARGS = ["run", "--quiet", "--scorer", "full", "--limit", "3", "--samples", "2", "--max-new-tokens", "10"]
@@ -149,7 +149,7 @@ def _output(token_ids, finish_reason, stop_reason=None):
 
 
 def test_vllm_adapter_passes_prompts_seeds_and_sampling(tiny_folder, tmp_path, monkeypatch):
-    from retention.engines.vllm import VllmEngine
+    from retention.runs.engines.vllm import VllmEngine
     from retention.models import format_prompt, load_model
 
     tok = load_model(str(tiny_folder)).tokenizer
@@ -193,7 +193,7 @@ def test_engine_environment_without_parts_loads_the_converted_split_model(tmp_pa
     and only when the folder's marker carries the pinned GGUF sha256."""
     import hashlib
 
-    from retention.engines.run import resolve_weights
+    from retention.runs.engines.run import resolve_weights
     from retention.errors import RetentionError
     from retention.models import SPLIT_GGUFS, SplitGGUF
     from retention.models import aliases as aliases_module

@@ -2,7 +2,7 @@
 
 An `Engine` generates `Request`s (prompt token ids, the per-(problem, sample) seed) under one
 sampling configuration and yields `Completion`s in any order. `run_engine_arms` builds the
-requests from the problems exactly as `retention.runner.run_arms` does (chat template, seeds,
+requests from the problems exactly as `retention.runs.runner.run_arms` does (chat template, seeds,
 shard filter, resume), and writes records with the same schema: for a non-evicting arm the meter
 fields follow from the sequence lengths alone (the cache holds prompt + generated tokens).
 """
@@ -57,8 +57,8 @@ def full_cache_meter(prompt_tokens: int, output_tokens: int, kib_per_token: floa
 
 def build_record(c: Completion, *, config_hash: str, text: str, gold, cadence, kib_per_token: float,
                  batch_size: int, grader=None) -> tuple[dict, tuple[list[int], list[float]]]:
-    """The record of one completion (`retention.runner.make_record`) and its cache trace."""
-    from retention.runner import make_record
+    """The record of one completion (`retention.runs.runner.make_record`) and its cache trace."""
+    from retention.runs.runner import make_record
 
     meter = full_cache_meter(len(c.request.prompt_ids), len(c.token_ids), kib_per_token)
     record = make_record(config_hash=config_hash, problem_id=c.request.problem_id, sample=c.request.sample,
@@ -87,8 +87,8 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
     from tqdm import tqdm
 
     from retention.models import format_prompt, output_text
-    from retention.runner import derive_seed
-    from retention.scale.shard import shard_pairs
+    from retention.runs.runner import derive_seed
+    from retention.runs.scale.shard import shard_pairs
 
     grader = None
     if grade:

@@ -24,14 +24,14 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, ce
                            log: Callable[[str], None] = print) -> list[Path]:
     """Generate shard `shard` of the plan's open cells into `out/runs/<cell>/`; returns the run dirs.
 
-    runner: the plan's registered runner (default: the built-in `retention.jobs.confirm_runner`); it
+    runner: the plan's registered runner (default: the built-in `retention.runs.jobs.confirm_runner`); it
     must take a `shard` keyword, with which it only generates that shard's pairs (the runner contract
     of `protocol.prereg`); validate: called with every arm configuration before anything is written
     (input errors); registry: the user-level registry (default: `protocol.ledger.Registry()`)."""
     from protocol import prereg
     from protocol.confirmation import check_overrides
     from protocol.ledger import Registry
-    from retention.jobs import confirm_runner
+    from retention.runs.jobs import confirm_runner
 
     plan, h = prereg.load_plan(Path(plan_path))
     current = manifest_hash or prereg._current_manifest_hash(plan.get("dataset", "math500"))

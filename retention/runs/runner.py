@@ -143,7 +143,7 @@ class RunDir:
 
     path: Path
     config: dict
-    # A shard of a run writes its own files (retention.scale.shard): records.shard-I-of-N.jsonl, ...
+    # A shard of a run writes its own files (retention.runs.scale.shard): records.shard-I-of-N.jsonl, ...
     records_name: str = "records.jsonl"
     trace_name: str = "trace.jsonl"
     records: RecordStore = field(init=False)
@@ -234,7 +234,7 @@ def _hold_lock(run_dir: Path, name: str = ".lock"):
 def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tuple[int, int]:
     """(total, missing) generations of all pairs or of one shard's; counted without materialising
     the pairs (each arm's store holds only its own shard's records)."""
-    from retention.scale.shard import shard_size
+    from retention.runs.scale.shard import shard_size
 
     total = shard_size(len(problems) * samples, shard) * len(arms)
     ids = {p.unique_id for p in problems}
@@ -243,7 +243,7 @@ def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tupl
 
 
 def open_run(out: Path, config: dict, shard=None) -> RunDir:
-    """The run directory of `config` under `out`; a `retention.scale.shard.Shard` writes its own files."""
+    """The run directory of `config` under `out`; a `retention.runs.scale.shard.Shard` writes its own files."""
     if shard is None:
         return RunDir(Path(out) / run_id_for(config), config)
     return RunDir(Path(out) / run_id_for(config), config, shard.records_name, shard.trace_name)
@@ -332,7 +332,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     so a killed run loses only the sequences in flight.
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
     `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
-    `retention.scale.shard.Shard` to generate only its pairs (None: all of them).
+    `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them).
     """
     from tqdm import tqdm
 
@@ -348,7 +348,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token
-    from retention.scale.shard import shard_pairs
+    from retention.runs.scale.shard import shard_pairs
 
     # Pairs are drawn lazily, one chunk at a time: nothing is allocated per sample.
     pairs = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard))

@@ -145,7 +145,7 @@ def validate_arm(cfg: dict):
     its parameters, statistics file, budget/interval/accounting/sink/recent combination, and that
     the model provides what the scorer reads (`check_scorer_reads`). cfg uses
     the run-configuration keys of docs/records.md (`run` resolves each listed scorer's own
-    parameters first: `retention.scorer_options`). Returns (scorer, config, params, cadence).
+    parameters first: `retention.runs.scorer_options`). Returns (scorer, config, params, cadence).
     """
     from retention.models import resolve_device, resolve_dtype, resolve_model
 
@@ -192,7 +192,7 @@ def validate_arm(cfg: dict):
     params = cfg.get("scorer_params") or {}
     if not isinstance(params, dict):
         raise RetentionError(f"scorer_params must be an object, got {params!r}")
-    from retention.scorer_options import scorer_fields
+    from retention.runs.scorer_options import scorer_fields
 
     fields = set(scorer_fields(cfg["scorer"]))
     unknown = sorted(set(params) - fields)

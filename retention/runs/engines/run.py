@@ -53,11 +53,11 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
     this project's engine's) and `factory` (tests) replaces the registered engine class."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from retention.engines import engine_factory
-    from retention.engines.base import refuse_evicting, run_engine_arms
-    from retention.scale.merge import open_shard_run
+    from retention.runs.engines import engine_factory
+    from retention.runs.engines.base import refuse_evicting, run_engine_arms
+    from retention.runs.scale.merge import open_shard_run
     from retention.models import CacheGeometry, prompt_style
-    from retention.runner import Arm
+    from retention.runs.runner import Arm
 
     refuse_evicting(arm_specs, engine_name)
     if fidelity:

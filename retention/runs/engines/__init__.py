@@ -1,7 +1,7 @@
 """Engines other than this project's own decode loop, behind one small interface (`base.Engine`).
 
 An engine turns (prompt token ids, seed) requests into completions; `base.run_engine_arms`
-turns those into the same records, in the same run directories, as `retention.runner.run_arms`.
+turns those into the same records, in the same run directories, as `retention.runs.runner.run_arms`.
 Only non-evicting arms (`full`) may run on another engine: eviction happens inside this project's
 cache, which another engine does not have. Engines are optional extras, imported lazily.
 """
@@ -13,7 +13,7 @@ import importlib
 from retention.errors import RetentionError
 
 # name -> "module:factory"; the factory takes (model_folder, dtype, device) and returns an Engine.
-ENGINES = {"vllm": "retention.engines.vllm:VllmEngine"}
+ENGINES = {"vllm": "retention.runs.engines.vllm:VllmEngine"}
 DEFAULT = "hf"  # this project's engine (transformers + the retention cache): not listed above
 
 

@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 
-from retention.engines.base import Completion, Request
+from retention.runs.engines.base import Completion, Request
 from retention.errors import RetentionError
 
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"

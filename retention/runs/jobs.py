@@ -8,7 +8,7 @@ from pathlib import Path
 import sys
 
 from protocol.errors import ProtocolError
-from retention.arms import _ARM_KEYS, validate_arm
+from retention.runs.arms import _ARM_KEYS, validate_arm
 from retention.errors import RetentionError
 
 
@@ -21,7 +21,7 @@ def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: fl
 
     if budget is not None:
         raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
-    from retention.arms import MAX_BUDGET
+    from retention.runs.arms import MAX_BUDGET
 
     if not (0 < budget_kib < float("inf")):
         raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
@@ -37,9 +37,9 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
             splits_dir=None, engine="hf", dataset="math500"):
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
-    shard: a `retention.scale.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
+    shard: a `retention.runs.scale.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
     project's `retention.runtime.engine`: a DeepSeek-V2/V3 checkpoint always decodes there on the reference
-    MLA, `retention.models.arch.deepseek`) or an external engine of `retention.engines` (non-evicting arms only).
+    MLA, `retention.models.arch.deepseek`) or an external engine of `retention.runs.engines` (non-evicting arms only).
     batch_size: sequences decoded together; None chooses one for the device and budget (printed).
     It is not part of the configuration hash: records do not depend on it (batch invariance), so a
     run resumes at any batch size; each record notes the batch size it was decoded in.
@@ -47,9 +47,9 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     its whole set, and that is recorded in the exploration registry (`protocol.exploration`).
     The model's prompt style goes into each configuration as `prompt` unless it is "chat"."""
     from protocol.splits import run_problems
-    from retention.scale.merge import open_shard_run
+    from retention.runs.scale.merge import open_shard_run
     from retention.models import load_model
-    from retention.runner import Arm, auto_batch_size, run_arms
+    from retention.runs.runner import Arm, auto_batch_size, run_arms
 
     if problems is None:
         problems = run_problems(split, dataset, data_path=data_path, splits_dir=splits_dir)
@@ -57,7 +57,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
             problems = problems[:limit]
     explores = split == "dev" and dataset != "math500"  # an AIME set has no dev split: this explores it
     if engine != "hf":
-        from retention.engines.run import execute_with_engine
+        from retention.runs.engines.run import execute_with_engine
 
         if explores:
             _record_exploration(dataset, problems, [])

@@ -1,7 +1,7 @@
 """What a confirmation runs with, checked before anything is written.
 
 The runner: `--runner MODULE:FUNCTION`, else the plan's registered runner, else
-`protocol.prereg.DEFAULT_RUNNER`, else the built-in `retention.jobs.confirm_runner`; one that cannot
+`protocol.prereg.DEFAULT_RUNNER`, else the built-in `retention.runs.jobs.confirm_runner`; one that cannot
 be imported or does not take the runner contract's arguments (`protocol.prereg`) is refused. Each
 arm's configuration, as the runner will receive it: no key the run configuration does not know (a
 mistyped `--override`) and valid as `run` validates an arm. Both are input errors, never a crash
@@ -17,9 +17,13 @@ from pathlib import Path
 from retention.errors import RetentionError
 
 
+# Runner specs registered before the job modules moved into `retention.runs` (plans keep their spec).
+MOVED_RUNNERS = {"retention.jobs:confirm_runner": "retention.runs.jobs:confirm_runner"}
+
+
 def load_runner(spec: str):
     """The callable MODULE:FUNCTION names, refused unless it takes (cell, arm, arm_config, out_dir)."""
-    module, sep, name = spec.partition(":")
+    module, sep, name = MOVED_RUNNERS.get(spec, spec).partition(":")
     if not sep or not module or not name:
         raise RetentionError(f"--runner: expected MODULE:FUNCTION, got {spec!r}")
     try:
@@ -49,7 +53,7 @@ def resolve_runner(spec: str | None, plan: dict):
     if prereg.DEFAULT_RUNNER is not None:
         return prereg.DEFAULT_RUNNER, None
     try:
-        runner = getattr(importlib.import_module("retention.jobs"), "confirm_runner", None)
+        runner = getattr(importlib.import_module("retention.runs.jobs"), "confirm_runner", None)
     except ImportError:
         runner = None
     if runner is None:
@@ -61,7 +65,7 @@ def resolve_runner(spec: str | None, plan: dict):
 def validate_confirm_arm(cfg: dict) -> None:
     """One arm of a confirmation as the runner will receive it (`protocol.plans.arm_config`)."""
     from protocol.plans import _PLAN_LEVEL_KEYS
-    from retention import arms
+    from retention.runs import arms
 
     unknown = sorted(set(cfg) - arms._ARM_KEYS - _PLAN_LEVEL_KEYS - {"model_revision", "dataset"})
     if unknown:

@@ -42,7 +42,7 @@ H2O_ATOL = 1e-5
 
 def shipped_dir() -> Path:
     """The golden vectors shipped with the package."""
-    return Path(__file__).resolve().parent / "data" / "golden"
+    return Path(__file__).resolve().parent.parent / "data" / "golden"
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from protocol import shards as layout
 from retention.errors import RetentionError
-from retention.scale.shard import RULE, Shard, shard_of, shard_pairs, write_sidecar
+from retention.runs.scale.shard import RULE, Shard, shard_of, shard_pairs, write_sidecar
 
 
 @dataclass
@@ -314,7 +314,7 @@ def open_shard_run(out: Path, config: dict, shard: Shard | None):
     done); incomplete shards are refused. Sharded: refused when the directory already holds a
     merged or unsharded `records.jsonl`; the shard's sidecar is (re)written.
     """
-    from retention.runner import code_version, open_run, run_id_for
+    from retention.runs.runner import code_version, open_run, run_id_for
 
     run_dir = Path(out) / run_id_for(config)
     if shard is None:
