@@ -54,13 +54,14 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
             accounting: str = "mean", sink: int | None = None, recent: int | None = None,
             protect_prompt: bool = False, dtype: str = "float32", device: str = "cpu", data_path: str | None = None,
             out: str | Path = "results", batch_size: int | None = None, grade: bool = True,
-            progress: bool = False) -> list[dict]:
+            progress: bool = False, mechanisms: dict | None = None) -> list[dict]:
     """Generate one arm on the first `limit` problems of the dev split and return its records (the
     dicts of `records.jsonl`, docs/records.md), resuming the run directory if it exists.
 
     scorer: a built-in name, a plugin name or spec, or a `Scorer` instance; params: its parameters
-    (names as its dataclass fields, e.g. {"lam": 0.5}) when given by name. The other arguments are
-    `retention run`'s options of the same names.
+    (names as its dataclass fields, e.g. {"lam": 0.5}) when given by name. mechanisms: the other
+    families, `{"state": {"name": "quant", "params": {"bits": 4}}, "decoding": "loop-guard"}` (as in a
+    plan's arm). The other arguments are `retention run`'s options of the same names.
     """
     from protocol.io import read_jsonl
     from retention.runs.arms import validate_arm
@@ -75,7 +76,7 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
             "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
             "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
             "fidelity": False, **sampling}
-    spec = validate_arm(dict(base, scorer=name, scorer_params=scorer_params))
+    spec = validate_arm(dict(base, scorer=name, scorer_params=scorer_params, **(mechanisms or {})))
     (run_dir,) = execute(model, dtype, device, [spec], split=split, data_path=data_path, limit=limit, samples=samples,
                          seed=seed, sampling=sampling, fidelity=False, grade=grade, out=Path(out),
                          progress=progress, batch_size=batch_size)

@@ -42,16 +42,17 @@ def is_spec(name: str) -> bool:
     return ":" in name
 
 
-def _entry_point(name: str):
-    for ep in metadata.entry_points(group=GROUP):
+def _entry_point(name: str, group: str = GROUP):
+    for ep in metadata.entry_points(group=group):
         if ep.name == name:
             return ep
     return None
 
 
-def entry_point_names() -> list[str]:
-    """Names installed distributions register in the `retention.scorers` group."""
-    return sorted({ep.name for ep in metadata.entry_points(group=GROUP)})
+def entry_point_names(group: str = GROUP) -> list[str]:
+    """Names installed distributions register in entry-point group `group` (`retention.scorers`,
+    `retention.cadences`, `retention.routings`, `retention.states`, `retention.decodings`)."""
+    return sorted({ep.name for ep in metadata.entry_points(group=group)})
 
 
 def _import_file(path: Path):
@@ -73,47 +74,52 @@ def _import_file(path: Path):
     return module
 
 
-def _target(name: str) -> tuple[str, str]:
+def _target(name: str, group: str = GROUP) -> tuple[str, str]:
     """(`module or file:Class` target, how it was named) of a plugin name or spec."""
     if is_spec(name):
         return name, "spec"
-    ep = _entry_point(name)
+    ep = _entry_point(name, group)
     if ep is None:
         return "", ""
     return ep.value, "entry point"
 
 
-def load_plugin(name: str) -> type | None:
-    """The `Scorer` subclass a plugin name or spec stands for; None when `name` is neither a spec nor
-    an installed entry-point name. Errors (import, missing class, not a Scorer) are one
-    `RetentionError` naming the plugin."""
-    if name in _loaded:
-        return _loaded[name]
-    target, how = _target(name)
+def load_plugin(name: str, base: type | None = None, group: str = GROUP, family: str = "scorer") -> type | None:
+    """The subclass of `base` (default `retention.scorers.Scorer`) a plugin name or spec stands for,
+    looked up in entry-point group `group`; None when `name` is neither a spec nor an installed
+    entry-point name. Errors (import, missing class, not a subclass) are one `RetentionError` naming
+    the plugin and its family."""
+    key = name if family == "scorer" else f"{family}:{name}"
+    if key in _loaded:
+        return _loaded[key]
+    target, how = _target(name, group)
     if not target:
         return None
-    from retention.scorers.base import Scorer
+    if base is None:
+        from retention.scorers.base import Scorer as base  # noqa: N813 - the default family
 
     where, _, attr = target.rpartition(":")
     if not where or not attr:
-        raise RetentionError(f"scorer plugin {name!r}: expected package.module:Class or path/to/file.py:Class")
+        raise RetentionError(f"{family} plugin {name!r}: expected package.module:Class or path/to/file.py:Class")
     try:
         module = _import_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
         cls = module
         for part in attr.split("."):
             cls = getattr(cls, part)
     except RetentionError as exc:
-        raise RetentionError(f"scorer plugin {name!r} ({how} {target}): {exc}") from None
+        raise RetentionError(f"{family} plugin {name!r} ({how} {target}): {exc}") from None
     except AttributeError:
-        raise RetentionError(f"scorer plugin {name!r} ({how} {target}): {where} has no {attr!r}") from None
+        raise RetentionError(f"{family} plugin {name!r} ({how} {target}): {where} has no {attr!r}") from None
     except BaseException as exc:  # noqa: BLE001 - whatever the plugin's import raises is one error line
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise RetentionError(f"scorer plugin {name!r} ({how} {target}) failed to import: "
+        raise RetentionError(f"{family} plugin {name!r} ({how} {target}) failed to import: "
                              f"{type(exc).__name__}: {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
-        raise RetentionError(f"scorer plugin {name!r} ({how} {target}) is not a retention.scorers.Scorer subclass")
-    _loaded[name] = cls
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        where_base = "retention.scorers" if family == "scorer" else base.__module__
+        raise RetentionError(f"{family} plugin {name!r} ({how} {target}) is not a "
+                             f"{where_base}.{base.__qualname__} subclass")
+    _loaded[key] = cls
     return cls
 
 
@@ -221,13 +227,13 @@ def differing_keys(a, b, prefix: str = "") -> list[str]:
     return [] if a == b and type(a) is type(b) else [prefix or "(value)"]
 
 
-def check_registered(registered, current) -> None:
-    """Refuse a plugin whose identity differs from the one registered in a plan or run, naming
-    what changed."""
+def check_registered(registered, current, family: str = "scorer") -> None:
+    """Refuse a plugin (of `family`) whose identity differs from the one registered in a plan or run,
+    naming what changed."""
     if registered is None or registered == current:
         return
-    keys = differing_keys({"scorer_plugin": registered}, {"scorer_plugin": current})
-    raise RetentionError(f"the scorer plugin changed since it was registered ({', '.join(keys)} differ); "
+    keys = differing_keys({f"{family}_plugin": registered}, {f"{family}_plugin": current})
+    raise RetentionError(f"the {family} plugin changed since it was registered ({', '.join(keys)} differ); "
                          "register the new code as a new plan or run it in a new --out")
 
 

@@ -54,6 +54,7 @@ BASE = {
     ("conformance",): [],
     ("merge",): ["in/runs", "--out", "out/merged"],
     ("check-scorer",): ["streaming", "--context", "0"],
+    ("check",): ["state:quant"],
 }
 
 # Known-bad values of free-form string options, per (command, option) or option.
@@ -87,6 +88,13 @@ STRING_BAD = {
     ("bench", "--layouts"): ["nope", ",", "mha,nope"],
     ("audit", "targets"): ["no-such-layout"],
     ("check-scorer", "spec"): ["nope", "no_such_module:X", "in/afile:X", "in/missing.py:X", "os:path"],
+    ("check", "target"): ["nope", "state:nope", "decoding:in/missing.py:X", "cadence:os:path", "routing:"],
+    ("check", "--param"): ["novalue", "quant.bitz=4", "quant.bits=x", "other.k=1"],
+    ("check", "--scorer"): ["nope", "in/missing.py:X"],
+    ("run", "--cadence"): ["nope", "in/missing.py:X", "os:path"],
+    ("run", "--routing"): ["nope", "in/missing.py:X"],
+    ("run", "--state"): ["nope", "in/afile:X"],
+    ("run", "--decoding"): ["nope", "retention.runtime.state:Quant"],
     ("stats", "--treatment"): ["nocolumn"],
     ("stats", "--baseline"): ["nocolumn"],
     ("stats", "--cluster"): ["nocolumn"],

@@ -1,4 +1,5 @@
-"""`retention check-scorer`: the contract kit on one scorer (built-in or plugin)."""
+"""`retention check` and `retention check-scorer`: the contract kit on one mechanism of any family
+(built-in or plugin)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,44 @@ def check_scorer_command(spec, params, context, share_budget, share_tokens):
         raise click.exceptions.Exit(1)
 
 
-commands = [check_scorer_command]
+@click.command("check")
+@click.argument("target")
+@click.option("--param", "params", multiple=True, metavar="NAME.KEY=VALUE",
+              help="A parameter of the mechanism, e.g. --param quant.bits=4 (repeatable).")
+@click.option("--scorer", default="triattention", show_default=True,
+              help="The scorer of the arm a non-scoring mechanism is checked in.")
+def check_command(target, params, scorer):
+    """Check that mechanism TARGET holds its family's contract on tiny random models: FAMILY:NAME with
+    FAMILY one of cadence, routing, state, decoding (e.g. state:quant, decoding:path/to/file.py:Guard),
+    or a scorer name (the checks of `check-scorer`).
+
+    One line per check; exits 1 unless every check passes.
+    """
+    from retention.contract import run_checks
+    from retention.contract.families import parse_target, run_family_checks
+    from retention.runs.scorer_options import mechanism_options, resolve
+
+    from retention.runtime.mechanisms import mechanism_class
+    from retention.scorers import get_scorer_class
+
+    family, name = parse_target(target)
+    get_scorer_class(scorer if family != "scorer" else name)  # one error line for an unknown or broken name
+    if family != "scorer":
+        mechanism_class(family, name)
+    if family == "scorer":
+        results = run_checks(name, resolve([name], {}, params)[name], share=False)
+    else:
+        rest, entries = mechanism_options(params, {family: name}, [scorer])
+        if rest:
+            raise click.UsageError(f"--param {rest[0]!r} is not a parameter of {target}")
+        entry = entries[family]
+        results = run_family_checks(family, name, entry["params"] if isinstance(entry, dict) else {}, scorer=scorer)
+    for r in results:
+        click.echo(r.line())
+    failed = [r for r in results if r.ok is False]
+    click.echo(f"{target}: {sum(r.ok is True for r in results)}/{sum(r.ok is not None for r in results)} checks pass")
+    if failed:
+        raise click.exceptions.Exit(1)
+
+
+commands = [check_scorer_command, check_command]

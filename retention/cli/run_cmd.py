@@ -71,8 +71,18 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--lambda", "lam", type=float, default=None, help="alpha: redundancy penalty weight λ (default 0.5); rkv: mixing weight (default 0.1). Refused when both are listed, or with --param SCORER.lam.")
 @click.option("--radius", type=float, default=None, help="alpha: cosine radius under which no penalty applies (default 0).")
 @click.option("--window", type=int, default=None, help="snapkv/rkv/h2o: recent query/window size (default 8).")
-@click.option("--routing", type=click.Choice(["shared", "per-layer"]), default=None,
-              help="triattention/alpha: one kept set per KV head for all layers (shared) or per layer.")
+@click.option("--cadence", default=None, metavar="NAME",
+              help="When a compaction happens: fixed (every N tokens; default), newline (at the first line break "
+                   "after b + N, at most max_wait later), or a plugin (docs/design-space.md).")
+@click.option("--routing", default=None, metavar="NAME",
+              help="Which kept set each layer follows: native (the scorer's own; default), shared or per-layer "
+                   "(triattention/alpha: one kept set per KV head for all layers, or per layer), or a plugin.")
+@click.option("--state", default=None, metavar="NAME",
+              help="What a kept token is stored as: full (default), quant (int8/int4 tail, KIVI-style), merge "
+                   "(evicted values merged into the nearest kept token), or a plugin.")
+@click.option("--decoding", default=None, metavar="NAME",
+              help="How generation behaves on the compressed cache: none (default), loop-guard (blocks a "
+                   "repetition loop), or a plugin. Parameters of every family: --param NAME.KEY=VALUE.")
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None,
               help="triattention/alpha: calibration statistics (default: the model's default location).")
 @click.option("--split", type=click.Choice(["dev", "confirm"]), default="dev", show_default=True,
@@ -115,7 +125,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
               help="hf: this project's batched engine (every model and scorer; a DeepSeek-V2/V3 checkpoint "
                    "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
-                window, routing, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
+                window, cadence, routing, state, decoding, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
                 seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
                 shards, gpus_per_shard, cpus_per_shard, retries, engine):
     """Generate on the dev split under retention policies and write resumable run directories.
@@ -140,9 +150,13 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
                                  "keeps every token); drop it, or list a retention scorer")
     budget = budget_from_bytes(model, dtype, budget, budget_kib)
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
-    from retention.runs.scorer_options import resolve
+    from retention.runs.scorer_options import mechanism_options, resolve, scorer_fields
 
-    shared = {"--lambda": lam, "--radius": radius, "--window": window, "--routing": routing, "--stats": stats_path}
+    chosen = {"cadence": cadence, "routing": routing, "state": state, "decoding": decoding}
+    params, mechanisms = mechanism_options(params, chosen, names)
+    if routing in ("shared", "per-layer") and not any("routing" in scorer_fields(n) for n in names):
+        raise RetentionError(f"--routing {routing} is not a parameter of any listed scorer ({', '.join(names)})")
+    shared = {"--lambda": lam, "--radius": radius, "--window": window, "--stats": stats_path}
     options = resolve(names, shared, params)  # per listed scorer; an option no listed scorer takes is an error
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
             "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
@@ -155,7 +169,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
     # model or touching the output folder.
     arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options[name].items()
-                                                                     if v is not None}))
+                                                                     if v is not None},
+                                   **_mechanisms_for(name, mechanisms, baseline)))
                  for name in names]
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
@@ -184,6 +199,23 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         run_dirs = execute(**job, progress=not quiet, shard=shard)
     for d in run_dirs:
         click.echo(_summary_line(d, shard))
+
+
+def _mechanisms_for(name: str, mechanisms: dict, baseline: str | None) -> dict:
+    """The non-scoring mechanisms of arm `name`: every listed scorer's arm gets them, except the
+    `--baseline` arm, which stays at the defaults (the comparison it is the baseline of); a `full`
+    arm keeps the decoding mechanism only (the others act at compactions, which it never has)."""
+    from retention.scorers import get_scorer_class
+
+    from retention.runs.scorer_options import scorer_fields
+
+    if name == baseline:
+        return {}
+    if not get_scorer_class(name).evicts:
+        return {k: v for k, v in mechanisms.items() if k == "decoding"}
+    if mechanisms.get("routing") in ("shared", "per-layer") and "routing" not in scorer_fields(name):
+        return {k: v for k, v in mechanisms.items() if k != "routing"}  # as a shared option: for those that take it
+    return mechanisms
 
 
 def _summary_line(run_dir: Path, shard=None) -> str:

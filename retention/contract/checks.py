@@ -32,9 +32,16 @@ from types import SimpleNamespace
 
 import torch
 
-from retention.contract.probe import MAX_NOTES, CheckedPolicy, Probe, count_host_reads
+from retention.contract.probe import MAX_NOTES, CheckedPolicy, Phased, Probe, count_host_reads
 from retention.errors import RetentionError
-from retention.runtime.policy import RetentionPolicy
+from retention.models import load_model, resolve_model
+from retention.runs.arms import check_scorer_reads, validate_arm
+from retention.runs.runner import Arm, RunDir, run_arms
+from retention.runs.scorer_options import scorer_fields
+from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
+from retention.runtime.policy import RetentionPolicy, cadence_for
+from retention.scorers import make_scorer
+from retention.scorers.calibration import calibrate
 
 BUDGET, INTERVAL, NEW_TOKENS = 20, 4, 24
 # Twelve prompts of 13..69 tokens (eight lengths), so rows are padded, compact at prefill or not, and
@@ -55,40 +62,41 @@ class CheckResult:
 
 def _stats_for(params: dict, spec: str, model, tmp: Path) -> dict:
     """Calibration statistics for a scorer that takes `stats` and was given none (tiny-random's own)."""
-    from retention.runs.scorer_options import scorer_fields
 
     if "stats" not in scorer_fields(spec) or params.get("stats"):
         return params
-    from retention.scorers.calibration import calibrate
 
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
     return dict(params, stats=str(calibrate(model, ids).save(tmp / "tiny.safetensors")))
 
 
 class _Kit:
-    def __init__(self, spec: str, params: dict, tmp: Path):
-        from retention.runs.arms import check_scorer_reads
-        from retention.models import load_model, resolve_model
-        from retention.scorers import make_scorer
+    """The arm under test (built by `validate_arm`, as `run` builds it) and the tiny models."""
 
+    def __init__(self, spec: str, params: dict, tmp: Path, mechanisms: dict | None = None):
         self.spec, self.tmp = spec, tmp
         check_scorer_reads(spec, resolve_model("tiny-random"), "float32")  # what `run` checks, first
         self.loaded = load_model("tiny-random")
         self.params = _stats_for(params, spec, self.loaded.model, tmp)
-        self.make = lambda: make_scorer(spec, **self.params)  # noqa: E731
+        self.arm = validate_arm({"model": "tiny-random", "scorer": spec, "scorer_params": self.params,
+                                 "budget": BUDGET, "interval": INTERVAL, **(mechanisms or {})})
+        self.make = lambda: make_scorer(spec, **self.arm.scorer_params)  # noqa: E731
         self.m64 = copy.deepcopy(self.loaded.model).to(torch.float64)
         self.sc0 = self.make()
-        from retention.runtime.policy import cadence_for
+        self.cadence = self.arm.cadence
 
-        self.cadence = cadence_for(self.sc0, BUDGET, INTERVAL)
+    def policy(self, scorer, checked: bool = True) -> RetentionPolicy:
+        """The arm's policy around `scorer` (a `Probe`): its own cadence, routing, state, decoding."""
+        p = self.arm.policy()
+        p.prepare(self.loaded.tokenizer)
+        return (CheckedPolicy if checked else RetentionPolicy)(scorer, p.cadence, p.routing, Phased(p.state, scorer),
+                                                               p.decoding)
 
     def decode(self, batch_size: int, eos=frozenset(), checks=True, scorer=None, new_tokens=NEW_TOKENS):
         """One engine run over PROMPTS: ({seed: Generation}, probe, policy, engine stats)."""
-        from retention.runtime.engine import Request, SamplingConfig, run_engine
-        from retention.runtime.policy import RetentionPolicy
 
         probe = Probe(scorer or self.make(), checks=checks)
-        policy = (CheckedPolicy if checks else RetentionPolicy)(probe, self.cadence)
+        policy = self.policy(probe, checks)
         out = {}
         reqs = [Request(i, p, i) for i, p in enumerate(PROMPTS)]
         stats = run_engine(self.m64, reqs, policy, SamplingConfig(max_new_tokens=new_tokens), set(eos), 1.0,
@@ -132,12 +140,13 @@ def _violations(name: str, notes: list[str], ok_detail: str) -> CheckResult:
 
 
 def run_checks(spec: str, params: dict | None = None, *, context: int = 8192, share: bool = True,
-               share_budget: int = 1024, share_tokens: int = 512) -> list[CheckResult]:
-    """Every check of the contract on scorer `spec` (a built-in name or a plugin) with `params`.
+               share_budget: int = 1024, share_tokens: int = 512, mechanisms: dict | None = None) -> list[CheckResult]:
+    """Every check of the contract on scorer `spec` (a built-in name or a plugin) with `params`, in an
+    arm whose other families are `mechanisms` (family -> a name or `{"name", "params"}`).
     share: also measure the compaction share of decode time at a `context`-token prompt."""
     with tempfile.TemporaryDirectory(prefix="retention-check-") as tmp:
         try:
-            kit = _Kit(spec, dict(params or {}), Path(tmp))
+            kit = _Kit(spec, dict(params or {}), Path(tmp), mechanisms)
         except RetentionError as exc:
             return [CheckResult("set-up", False, str(exc))]
         except Exception as exc:  # noqa: BLE001
@@ -212,8 +221,8 @@ class _PaddingPolicy(RetentionPolicy):
 
     tries: int = 4
 
-    def after_forward(self, cache, next_position, meter, prefill: bool) -> bool:
-        did = super().after_forward(cache, next_position, meter, prefill)
+    def after_forward(self, cache, next_position, meter, prefill: bool, tokens=None) -> bool:
+        did = super().after_forward(cache, next_position, meter, prefill, tokens)
         c, k = self.cadence, self.cadence.nominal
         rows = [r for r in range(cache.rows) if cache.lengths[r] > k]
         if prefill or self.tries <= 0 or len({cache.lengths[r] for r in rows}) < 2:
@@ -229,7 +238,6 @@ class _PaddingPolicy(RetentionPolicy):
 
 def _padded_views(kit: _Kit) -> Probe:
     """A batch-8 decode whose policy also offers the scorer padded views (`_PaddingPolicy`)."""
-    from retention.runtime.engine import Request, SamplingConfig, run_engine
 
     probe = Probe(kit.make())
     if not kit.sc0.evicts:
@@ -245,7 +253,6 @@ def _padded_views(kit: _Kit) -> Probe:
 
 
 def _full_scorer():
-    from retention.scorers import make_scorer
 
     return make_scorer("full")
 
@@ -264,7 +271,6 @@ class _Interrupt(BaseException):
 
 def _resume(kit: _Kit) -> CheckResult:
     """A run interrupted after two records, then resumed, writes what an uninterrupted run writes."""
-    from retention.runs.runner import Arm, RunDir, run_arms
 
     loaded = dataclasses.replace(kit.loaded, model=kit.m64)
     problems = [SimpleNamespace(unique_id=f"p{i}", problem="What is " + "1+" * (3 + 5 * i) + "1?", answer="1")
@@ -284,7 +290,7 @@ def _resume(kit: _Kit) -> CheckResult:
 
             rd.records.append = interrupting
         try:
-            run_arms(loaded, [Arm(rd, kit.spec, kit.params, kit.cadence)], problems, samples=1, base_seed=0,
+            run_arms(loaded, [Arm(rd, kit.arm)], problems, samples=1, base_seed=0,
                      sampling=sampling, grade=False, progress=False, batch_size=4)
         except _Interrupt:
             pass
@@ -307,13 +313,11 @@ def _resume(kit: _Kit) -> CheckResult:
 def _host_reads(kit: _Kit) -> CheckResult:
     """The scorer's per-forward hook reads nothing on the host; the rest is reported."""
     def decode():
-        from retention.runtime.engine import Request, SamplingConfig, run_engine
-        from retention.runtime.policy import RetentionPolicy
 
         probe = Probe(kit.make(), checks=False)
         reqs = [Request(i, p, i) for i, p in enumerate(PROMPTS)]
         with count_host_reads(probe) as counts:
-            stats = run_engine(kit.m64, reqs, RetentionPolicy(probe, kit.cadence),
+            stats = run_engine(kit.m64, reqs, kit.policy(probe, checked=False),
                                SamplingConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True), set(), 1.0, batch_size=8)
         return counts, stats, probe
 
@@ -330,9 +334,6 @@ def _share(kit: _Kit, context: int, budget: int, tokens: int) -> CheckResult:
     tiny-random), `tokens` decode steps timed after the prefill; the prefill's own compaction (the
     prompt cut to b) is not decode time and is left out of both figures."""
     import time
-
-    from retention.runtime.engine import Engine, Request, SamplingConfig
-    from retention.runtime.policy import RetentionPolicy, cadence_for
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (context,), generator=g).tolist()

@@ -44,11 +44,11 @@ class Probe:
 
     @contextlib.contextmanager
     def _in(self, phase: str):
-        self.phase = phase
+        before, self.phase = self.phase, phase
         try:
             yield
         finally:
-            self.phase = None
+            self.phase = before
 
     def reset_slot(self, slot: int, seed: int) -> None:
         self.slot_seed[slot] = seed
@@ -56,9 +56,8 @@ class Probe:
             self.inner.reset_slot(slot, seed)
 
     def reset(self) -> None:
-        if hasattr(self.inner, "reset"):
-            with self._in("setup"):
-                self.inner.reset()
+        with self._in("setup"):
+            self.inner.reset()
 
     @contextlib.contextmanager
     def attach(self, model):
@@ -147,6 +146,24 @@ class Probe:
             self.last_kept[slot] = positions[:, b]
 
 
+class Phased:
+    """A mechanism (state, routing, decoding) whose calls run in the probe's `compaction` phase: its
+    host reads at compactions are reported with the scorer's, not counted as the engine's."""
+
+    def __init__(self, inner, probe: Probe):
+        self.inner, self.probe = inner, probe
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with self.probe._in("compaction"):
+                return attr(*args, **kwargs)
+        return call
+
+
 @dataclass
 class CheckedPolicy(RetentionPolicy):
     """A policy that checks physical eviction after every forward: each row stores exactly what its
@@ -155,10 +172,10 @@ class CheckedPolicy(RetentionPolicy):
 
     violations: list[str] = field(default_factory=list)
 
-    def after_forward(self, cache, next_position, meter, prefill: bool) -> bool:
+    def after_forward(self, cache, next_position, meter, prefill: bool, tokens=None) -> bool:
         probe = self.scorer
         before = dict(probe.last_kept)
-        did = super().after_forward(cache, next_position, meter, prefill)
+        did = super().after_forward(cache, next_position, meter, prefill, tokens)
         if len(self.violations) >= MAX_NOTES or cache.layers[0].kbuf is None:
             return did
         meters = [meter] if not isinstance(meter, list) else meter
@@ -177,6 +194,16 @@ class CheckedPolicy(RetentionPolicy):
         per_token = sum(2 * ly.kbuf[0, :, 0].numel() * ly.kbuf.element_size() for ly in cache.layers)
         if cache.stored_bytes() != per_token * sum(cache.lengths) or cache.stored_bytes() > cache.allocated_bytes():
             self.violations.append(f"stored bytes {cache.stored_bytes()} are not {sum(cache.lengths)} tokens' worth")
+        for r in range(cache.rows):  # the state's meter figure equals its recount from the buffers
+            kpt = (meters[r] if r < len(meters) else meters[0]).kib_per_token
+            with probe._in("compaction"):
+                metered = self.state.row_kib(cache, r, kpt)
+                recount = self.state.stored_kib(cache, r, kpt)
+            metered = cache.lengths[r] * kpt if metered is None else metered
+            if abs(metered - recount) > 1e-9 * max(1.0, recount):
+                self.violations.append(f"the meter counts {metered:.6g} KiB in a row whose buffers hold "
+                                       f"{recount:.6g} KiB ({self.state.name} state)")
+                break
         return did
 
 

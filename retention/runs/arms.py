@@ -7,27 +7,56 @@ registers is exactly what `run` would run (docs/records.md names every key).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from pathlib import Path
 
+from protocol.data import DATASETS
+from protocol.prereg import ARMS, arm_config
+
 from retention.errors import RetentionError
+from retention.models import model_layout, resolve_device, resolve_dtype, resolve_model
+from retention.plugins import check_registered
+from retention.runs.scorer_options import scorer_fields
+from protocol.io import canonical_json
+from retention.runs.spec import ArmSpec, MechanismSpec
+from retention.runtime.adapter import provides
+from retention.runtime.cadence import REFERENCE_INTERVAL
+from retention.runtime.mechanisms import (FAMILIES, make_mechanism, mechanism_class, mechanism_fields,
+                                          mechanism_identity)
+from retention.runtime.policy import cadence_for
+from retention.scorers import get_scorer_class, make_scorer, reads_refusal, scorer_identity
+from retention.scorers.calibration import default_stats_path
+from retention.scorers.calibration_latent import read_stats_file
 
 # What `--engine` (and a plan arm's "engine") may name: this project's batched engine (every model,
 # DeepSeek checkpoints on the reference MLA included), vLLM for non-evicting arms.
 ENGINES = ("hf", "vllm")
 
 
-def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict, "Cadence"]:  # noqa: F821
-    """The full configuration of one arm, its scorer parameters and its cadence.
+def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | None = None,
+                     head_dims: tuple[int, int] | None = None) -> ArmSpec:
+    """The `ArmSpec` of one arm: its scorer, its four other mechanisms, and its configuration.
 
-    Returns (config, params, cadence): params are what the scorer is constructed with (a statistics
-    path); the config records the same parameters with the statistics named by their sha256."""
-    from retention.runtime.policy import cadence_for
-    from retention.scorers import get_scorer_class, make_scorer, scorer_identity
-
+    options: the scorer's parameters (a statistics path); mechanisms: family -> a name, or
+    `{"name", "params"[, "plugin"]}` (absent: the family's default); head_dims: (d_k, d_v) of the
+    model's per-layer K/V cache (None on a latent or shared-store layout). The configuration records
+    the scorer's parameters with the statistics named by their sha256, and every non-default
+    mechanism in canonical form (every parameter with its resolved value)."""
     cls = get_scorer_class(scorer)
     fields = {f.name for f in dataclasses.fields(cls)} - {"seed"}
     params = {k: v for k, v in options.items() if k in fields and v is not None}
+    given = {fam: _mechanism_arg(fam, (mechanisms or {}).get(fam)) for fam in FAMILIES}
+    routing_name, routing_params, _ = given["routing"]
+    structure = mechanism_class("routing", routing_name).structure
+    if structure is not None:  # shared / per-layer: the scorer's own routing parameter, recorded there
+        if "routing" not in fields:
+            raise RetentionError(f"routing {routing_name!r} needs a scorer with a routing parameter (triattention, "
+                                 f"alpha); {scorer!r} has none")
+        if params.get("routing", structure) != structure:
+            raise RetentionError(f"--routing {routing_name} and {scorer}.routing={params['routing']} disagree; give one")
+        params["routing"] = structure
+        given["routing"] = ("native", {}, None)
     scorer_obj = make_scorer(scorer, **params)  # validates parameters now, not in the middle of a run
     unset = set(getattr(cls, "unrecorded_when_unset", ()))  # newer parameters: recorded once set
     params = {k: getattr(scorer_obj, k) for k in sorted(fields)
@@ -37,9 +66,22 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
         params["stats"], extra["stats_sha256"] = _resolve_stats(params["stats"], base["model"])
     if cls.evicts and base["budget"] is None:
         raise RetentionError(f"--budget is required for scorer {scorer!r}")
-    cadence = cadence_for(scorer_obj, base["budget"], base["interval"], base["accounting"], base["sink"], base["recent"],
-                          protect_prompt=bool(base.get("protect_prompt")))
-    budget, interval, sink, recent = cadence.budget, cadence.interval, cadence.sink, cadence.recent
+    specs, objs = {}, {}
+    for fam, (name, mparams, registered) in given.items():
+        if fam == "cadence":
+            continue
+        specs[fam], objs[fam] = _resolve_mechanism(fam, name, mparams, registered)
+    cname, cparams, cregistered = given["cadence"]
+    cspec, _ = _resolve_mechanism("cadence", cname, cparams, cregistered)
+    _check_families(scorer, cls.evicts, {**specs, "cadence": cspec})
+    objs["state"].check(head_dims)
+    budget = base["budget"]
+    if base.get("budget_kib") is not None and specs["state"].name != "full" and cls.evicts:
+        budget = _state_budget(objs["state"], base, scorer_obj, mechanism_class("cadence", cname), cspec.kwargs,
+                               head_dims)
+    cadence = cadence_for(scorer_obj, budget, base["interval"], base["accounting"], base["sink"], base["recent"],
+                          protect_prompt=bool(base.get("protect_prompt")), kind=mechanism_class("cadence", cname),
+                          params=cspec.kwargs)
     identity = scorer_identity(scorer)
     if identity is not None:  # a plugin: its code is part of what the arm is
         extra["scorer_plugin"] = identity
@@ -47,17 +89,77 @@ def build_arm_config(base: dict, scorer: str, options: dict) -> tuple[dict, dict
     # content, never by path: the same file under another cache root is the same arm, and the two
     # models of a study, each with its own statistics, are one arm each with its own identity.
     recorded = dict(params, stats=f"sha256:{extra['stats_sha256']}") if "stats" in params else params
-    config = dict(base, scorer=scorer, scorer_params=recorded, budget=budget, interval=interval,
-                  sink=sink, recent=recent, nominal_b=cadence.nominal, **extra)
-    return config, params, cadence
+    families = {fam: m.record() for fam, m in {**specs, "cadence": cspec}.items() if not m.is_default}
+    config = dict(base, scorer=scorer, scorer_params=recorded, budget=cadence.budget, interval=cadence.interval,
+                  sink=cadence.sink, recent=cadence.recent, nominal_b=cadence.nominal, **extra, **families)
+    return ArmSpec(MechanismSpec.of("scorer", scorer, params, identity), cadence, cspec, specs["routing"],
+                   specs["state"], specs["decoding"], canonical_json(config))
+
+
+def _mechanism_arg(fam: str, value) -> tuple[str, dict, dict | None]:
+    """(name, params, registered plugin identity) of a family's entry in an arm configuration."""
+    if value is None:
+        return FAMILIES[fam].default, {}, None
+    if isinstance(value, str) and value:
+        return value, {}, None
+    if isinstance(value, dict) and isinstance(value.get("name"), str) and value["name"]:
+        unknown = sorted(set(value) - {"name", "params", "plugin"})
+        params = value.get("params") or {}
+        if unknown or not isinstance(params, dict):
+            raise RetentionError(f"{fam} must be a name or {{\"name\": ..., \"params\": {{...}}}}, got {value!r}")
+        return value["name"], dict(params), value.get("plugin")
+    raise RetentionError(f"{fam} must be a name or {{\"name\": ..., \"params\": {{...}}}}, got {value!r}")
+
+
+def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | None):
+    """(canonical MechanismSpec, instance) of one mechanism; its parameters checked by name and by its
+    constructor, every parameter recorded with its resolved value."""
+    fields = mechanism_fields(fam, name)
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        raise RetentionError(f"{fam} {name!r} has no parameter(s) {unknown}; it takes {sorted(fields) or 'none'}")
+    if fam == "cadence":  # built at the arm's budget later; here only its own parameters are checked
+        obj = make_mechanism(fam, name, params, budget=None, interval=1)
+    else:
+        obj = make_mechanism(fam, name, params)
+    resolved = {k: getattr(obj, k) for k in sorted(fields)}
+    identity = mechanism_identity(fam, name)
+    check_registered(registered, identity, fam)
+    return MechanismSpec.of(fam, name, resolved, identity), obj
+
+
+def _check_families(scorer: str, evicts: bool, specs: dict) -> None:
+    """Refuse, in one line, mechanisms that act on compactions for a scorer that never compacts."""
+    if evicts:
+        return
+    idle = [f"--{fam} {m.name}" for fam, m in specs.items() if fam in ("cadence", "state", "routing")
+            and not m.is_default]
+    if idle:
+        raise RetentionError(f"{', '.join(idle)} act(s) at compactions, and {scorer!r} never compacts; "
+                             "use them with a retention scorer")
+
+
+def _state_budget(state, base: dict, scorer_obj, kind, cparams: dict, head_dims) -> int:
+    """The token budget a state holds within `--budget-bytes` (`State.tokens_for_kib`), refused
+    when it holds no token."""
+    layout = model_layout(base["model"], str(base.get("dtype", "float32")))
+    kib = float(base["budget_kib"])
+    span = base["interval"] or REFERENCE_INTERVAL
+    budget = state.tokens_for_kib(kib, layout.bytes_per_token / 1024, head_dims, layout.layers, layout.kv_heads, span)
+    for _ in range(3):  # the default interval depends on the budget; settle both
+        if budget < 1:
+            raise RetentionError(f"--budget-bytes {kib:g} KiB holds no token of {base['model']} under state "
+                                 f"{state.name!r}")
+        c = cadence_for(scorer_obj, budget, base["interval"], base["accounting"], base["sink"], base["recent"],
+                        kind=kind, params=cparams)
+        budget = state.tokens_for_kib(kib, layout.bytes_per_token / 1024, head_dims, layout.layers,
+                                      layout.kv_heads, c.span)
+    return budget
 
 
 def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
     """The calibration statistics file a scorer will use (given, or the model's default) and its
     sha256, so that the configuration hash names the statistics and not just a path."""
-    import hashlib
-
-    from retention.scorers.calibration import default_stats_path
 
     resolved = Path(path) if path else default_stats_path(model)
     if not resolved.is_file():
@@ -72,7 +174,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 # so that `confirm` can compare what was planned with what ran, key by key.
 _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent",
              "protect_prompt", "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos",
-             "engine", "dataset"}
+             "engine", "dataset", "cadence", "routing", "state", "decoding"}
 
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).
@@ -92,8 +194,6 @@ def normalize_arm(cfg: dict) -> dict:
     if isinstance(params, dict):
         cfg["scorer_params"] = {PARAM_ALIASES.get(k, k): v for k, v in params.items()}
     if isinstance(cfg.get("scorer"), str) and cfg["scorer"] and "scorer_plugin" not in cfg:
-        from retention.scorers import scorer_identity  # a plugin's code is registered with the arm
-
         identity = scorer_identity(cfg["scorer"])
         if identity is not None:
             cfg["scorer_plugin"] = identity
@@ -121,13 +221,9 @@ def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
     the model does not provide (`Scorer.reads` against `retention.runtime.engine.provides`): before any
     model is loaded (the layout of a reference layout model or a DeepSeek checkpoint comes from
     its configuration)."""
-    from retention.runtime.adapter import provides
-    from retention.scorers import get_scorer_class, reads_refusal
 
     layout, reference = None, False
     if ref.kind in ("arch", "local"):
-        from retention.models import model_layout
-
         layout = model_layout(ref.name, dtype)
         reference = ref.kind == "arch" or layout.family == "mla"  # DeepSeek: the reference MLA
     reads = get_scorer_class(scorer).reads if reads is None else reads
@@ -145,10 +241,9 @@ def validate_arm(cfg: dict):
     its parameters, statistics file, budget/interval/accounting/sink/recent combination, and that
     the model provides what the scorer reads (`check_scorer_reads`). cfg uses
     the run-configuration keys of docs/records.md (`run` resolves each listed scorer's own
-    parameters first: `retention.runs.scorer_options`). Returns (scorer, config, params, cadence).
+    parameters first: `retention.runs.scorer_options`), plus the families' keys `cadence`, `routing`,
+    `state`, `decoding` (a name or `{"name", "params"}`; absent: the default). Returns the `ArmSpec`.
     """
-    from retention.models import resolve_device, resolve_dtype, resolve_model
-
     cfg = normalize_arm(cfg)
     if not isinstance(cfg.get("scorer"), str) or not cfg["scorer"]:
         raise RetentionError("an arm configuration needs a 'scorer' name")
@@ -170,6 +265,7 @@ def validate_arm(cfg: dict):
     _number(cfg, "samples", int, "--samples", lo=1, hi=MAX_SAMPLES, default=1)
     _number(cfg, "seed", int, "--seed", lo=0, hi=2**63 - 1, default=0)
     _number(cfg, "limit", int, "--limit", lo=1)
+    _number(cfg, "budget_kib", float, "--budget-bytes", lo=0, lo_open=True)
     for key, flag in (("budget", "--budget"), ("interval", "--interval")):
         _number(cfg, key, int, flag, lo=1, hi=MAX_BUDGET)
     for key, flag in (("sink", "--sink"), ("recent", "--recent")):
@@ -178,8 +274,6 @@ def validate_arm(cfg: dict):
         raise RetentionError(f"--accounting must be mean, prefill or peak, got {cfg.get('accounting')!r}")
     if cfg.get("split", "dev") not in ("dev", "confirm"):
         raise RetentionError(f"--split must be dev or confirm, got {cfg.get('split')!r}")
-    from protocol.data import DATASETS
-
     # Absent means math500, so that MATH-500 configurations keep the hash they had before AIME.
     if cfg.get("dataset", "math500") not in DATASETS or cfg.get("dataset") == "math500":
         raise RetentionError(f"--dataset must be one of {', '.join(DATASETS)} (math500 is written by leaving it "
@@ -192,8 +286,6 @@ def validate_arm(cfg: dict):
     params = cfg.get("scorer_params") or {}
     if not isinstance(params, dict):
         raise RetentionError(f"scorer_params must be an object, got {params!r}")
-    from retention.runs.scorer_options import scorer_fields
-
     fields = set(scorer_fields(cfg["scorer"]))
     unknown = sorted(set(params) - fields)
     if unknown:
@@ -202,37 +294,35 @@ def validate_arm(cfg: dict):
     options = {k: v for k, v in params.items() if k in fields}
     if "stats" in options and options["stats"] is not None and not isinstance(options["stats"], str):
         raise RetentionError(f"--stats must be a file path, got {options['stats']!r}")
-    base = {k: v for k, v in cfg.items() if k not in ("scorer", "scorer_params", "stats_sha256", "scorer_plugin")}
+    base = {k: v for k, v in cfg.items()
+            if k not in ("scorer", "scorer_params", "stats_sha256", "scorer_plugin", *FAMILIES)}
     base.setdefault("interval", None)
     base.setdefault("accounting", "mean")
     base.setdefault("sink", None)
     base.setdefault("recent", None)
     base.setdefault("budget", None)
+    layout = model_layout(cfg["model"], str(cfg.get("dtype", "float32")))
+    head_dims = (layout.head_dim, layout.head_dim) if layout.family == "kv" else None
     try:
-        config, built, cadence = build_arm_config(base, cfg["scorer"], options)
+        spec = build_arm_config(base, cfg["scorer"], options, {f: cfg.get(f) for f in FAMILIES}, head_dims)
     except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
-    from retention.scorers import make_scorer
-
+    built, config = spec.scorer_params, spec.config
     # Again with the parameters given (e.g. snapkv's rule keeps one of its alternatives).
     check_scorer_reads(cfg["scorer"], ref, str(cfg.get("dtype", "float32")), make_scorer(cfg["scorer"], **built).reading())
     if built.get("stats"):
         check_stats_file(Path(built["stats"]))
-    from retention.plugins import check_registered
-
     check_registered(cfg.get("scorer_plugin"), config.get("scorer_plugin"))  # a changed plugin is refused
     registered = cfg.get("stats_sha256")
     if registered is not None and registered != config.get("stats_sha256"):
         raise RetentionError(f"the calibration statistics of {cfg['model']} changed since registration: "
                              f"registered sha256 {str(registered)[:12]}, {built.get('stats')} has "
                              f"{str(config.get('stats_sha256'))[:12]}")
-    return cfg["scorer"], config, built, cadence
+    return spec
 
 
 def check_stats_file(path: Path) -> None:
     """Read a statistics file now: one that is not statistics fails here, not mid-run."""
-    from retention.scorers.calibration_latent import read_stats_file
-
     try:
         read_stats_file(path)  # per-head or latent (MLA) statistics
     except RetentionError:
@@ -255,15 +345,13 @@ def validate_plan(plan: dict) -> dict[str, dict[str, str | None]]:
 
     Returns the calibration statistics each arm of each cell resolves to, by content:
     {cell id: {arm: stats sha256 or None}} (each model of a study has its own statistics)."""
-    from protocol.prereg import ARMS, arm_config
-
     for arm in ARMS:
         validate_plan_arm(arm, plan[arm])
     resolved: dict[str, dict[str, str | None]] = {}
     for cell in plan["cells"]:
         for arm in ARMS:
             try:
-                _, config, _, _ = validate_arm(arm_config(plan, "0" * 64, cell, arm))
+                config = validate_arm(arm_config(plan, "0" * 64, cell, arm)).config
             except RetentionError as exc:
                 raise RetentionError(f"{arm} of cell {cell['id']}: {exc}") from None
             resolved.setdefault(cell["id"], {})[arm] = config.get("stats_sha256")

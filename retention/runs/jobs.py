@@ -68,14 +68,14 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
 
     loaded = on_reference_mla(load_model(model, dtype=dtype, device=device))
     arms = []
-    for name, config, params, cadence in arm_specs:
+    for spec in arm_specs:
         prompt = {} if loaded.prompt == "chat" else {"prompt": loaded.prompt}
-        config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **(extra_config or {}))
-        arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
+        spec = spec.with_config(model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **(extra_config or {}))
+        arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
     if explores:
         _record_exploration(dataset, problems, [a.run.hash for a in arms])
     if batch_size is None:
-        batch_size = min(auto_batch_size(loaded, a.cadence, sampling["max_new_tokens"]) for a in arms)
+        batch_size = min(auto_batch_size(loaded, a.spec.cadence, sampling["max_new_tokens"]) for a in arms)
         print(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", file=sys.stderr)
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
              grade=grade, progress=progress, shard=shard, batch_size=batch_size)

@@ -22,18 +22,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol.io import (append_line, canonical_json, ensure_dir, jsonl_line, load_json_object, read_jsonl,
+from protocol.io import (append_line, ensure_dir, jsonl_line, load_json_object, read_jsonl,
                          write_atomic, write_json)
 from retention import __version__
 from retention.versions import library_versions
 from retention.errors import RetentionError
+from retention.runs.spec import ArmSpec, config_hash
 
 # Bumped when the meaning of a configuration field changes; plans and ledgers record it.
 CONFIG_SCHEMA_VERSION = 1
-
-
-def config_hash(config: dict) -> str:
-    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
 
 
 def derive_seed(base_seed: int, problem_id: str, sample: int) -> int:
@@ -251,12 +248,10 @@ def open_run(out: Path, config: dict, shard=None) -> RunDir:
 
 @dataclass
 class Arm:
-    """One policy of a run: where its records go and how to build its scorer."""
+    """One arm of a run: where its records go and what it is (`ArmSpec`: its five mechanisms)."""
 
     run: RunDir
-    scorer: str
-    scorer_params: dict
-    cadence: "Cadence"  # noqa: F821 (imported lazily: keeps this module light)
+    spec: ArmSpec
 
 
 # Pairs per arm and chunk, in units of the batch size: arms alternate chunk by chunk, so an
@@ -318,7 +313,7 @@ def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, b
     return make_record(config_hash=arm.run.hash, problem_id=p.unique_id, sample=s, seed=seed,
                        prompt_tokens=len(prompt), token_ids=g.token_ids,
                        text=output_text(tok, prompt, g.token_ids), finish_reason=g.finish_reason,
-                       meter=g.meter, cadence=arm.cadence, wall_seconds=g.wall_seconds, batch_size=batch_size,
+                       meter=g.meter, cadence=arm.spec.cadence, wall_seconds=g.wall_seconds, batch_size=batch_size,
                        gold=getattr(p, "answer", None), grader=grader, fidelity=g.fidelity)
 
 
@@ -338,8 +333,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
 
     from retention.runtime.engine import Request, SamplingConfig, run_engine
     from retention.models import format_prompt
-    from retention.runtime.policy import RetentionPolicy
-    from retention.scorers import is_builtin, make_scorer
+    from retention.scorers import is_builtin
 
     grader = None
     if grade:
@@ -377,18 +371,21 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
 
             def on_step(st, _arm=arm):
                 if st.steps % 8 == 0:
-                    bar.set_postfix_str(f"{_arm.scorer} {st.tokens_per_second:.1f} tok/s, {st.busy} slots busy",
+                    bar.set_postfix_str(f"{_arm.spec.name} {st.tokens_per_second:.1f} tok/s, {st.busy} slots busy",
                                         refresh=False)
                     bar.refresh()
 
-            policy = RetentionPolicy(make_scorer(arm.scorer, **arm.scorer_params), arm.cadence)
+            policy = arm.spec.policy()
+            policy.prepare(tok)
             try:
                 run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,
                            on_finish=on_finish, on_step=on_step if progress else None)
             except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
-                if is_builtin(arm.scorer):
+                plugins = arm.spec.plugins()
+                if not plugins:
                     raise
-                raise RetentionError(f"scorer plugin {arm.scorer!r} raised during decoding ({type(exc).__name__}: "
+                named = " or ".join(f"{p.partition(':')[0]} plugin {p.partition(':')[2]!r}" for p in plugins)
+                raise RetentionError(f"{named} raised during decoding ({type(exc).__name__}: "
                                      f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
                                      "to resume") from exc
     bar.close()

@@ -6,7 +6,7 @@ Two forms:
   `--param alpha.lam=0.5 --param rkv.lam=0.1`. The scorer must be listed and must take `NAME`. A
   plugin is named as listed (`--param mypkg.mod:KeyNorm.k=4`: NAME is what follows the last dot) or by
   its class's `name` attribute (`--param keynorm.k=4`).
-* The shared options (`--lambda`, `--radius`, `--window`, `--routing`, `--stats`) go to every listed
+* The shared options (`--lambda`, `--radius`, `--window`, `--stats`) go to every listed
   scorer that takes them, and are an error when no listed scorer does. `--lambda` is the study's
   name for alpha's penalty weight; it also means rkv's mixing weight, so it is refused when it would
   reach scorers that read it differently (both alpha and rkv listed).
@@ -22,7 +22,7 @@ import dataclasses
 from retention.errors import RetentionError
 
 # Shared option -> the scorer parameter it sets.
-SHARED = {"--lambda": "lam", "--radius": "radius", "--window": "window", "--routing": "routing", "--stats": "stats"}
+SHARED = {"--lambda": "lam", "--radius": "radius", "--window": "window", "--stats": "stats"}
 # What `lam` means per scorer: one shared --lambda must not reach two different meanings.
 LAMBDA_MEANING = {"alpha": "redundancy penalty weight", "rkv": "importance mixing weight"}
 
@@ -106,3 +106,45 @@ def resolve(names: list[str], shared: dict[str, object], params: tuple[str, ...]
         for n in takers:
             per[n][field] = value
     return per
+
+
+def mechanism_options(params: tuple[str, ...], chosen: dict[str, str | None], scorers: list[str]
+                      ) -> tuple[tuple[str, ...], dict[str, object]]:
+    """Split `--param` values between the chosen mechanisms of the non-scoring families and the scorers.
+
+    chosen: family -> the name given with `--cadence`/`--routing`/`--state`/`--decoding` (None: the
+    default). `--param NAME.KEY=VALUE` whose NAME is a chosen mechanism (or its class's `name`) sets
+    that mechanism's parameter; the rest are scorer parameters (`parse_params`). Returns (the scorer
+    `--param` values, family -> the arm configuration's entry: a name or `{"name", "params"}`)."""
+    from retention.runtime.mechanisms import FAMILIES, mechanism_class, mechanism_fields
+
+    names = {}
+    for fam, name in chosen.items():
+        if name is None or name == FAMILIES[fam].default:
+            continue
+        names[name] = fam
+        alias = getattr(mechanism_class(fam, name), "name", None)
+        if isinstance(alias, str) and alias not in names:
+            names[alias] = fam
+    per: dict[str, dict] = {fam: {} for fam in chosen}
+    rest = []
+    for item in params:
+        key, sep, raw = item.partition("=")
+        owner, dot, param = key.strip().rpartition(".")
+        fam = names.get(owner) if sep and dot else None
+        if fam is None:
+            rest.append(item)
+            continue
+        if owner in scorers:
+            raise RetentionError(f"--param {item!r}: {owner!r} names both a listed scorer and the {fam}; "
+                                 "give the mechanism as package.module:Class to tell them apart")
+        fields = mechanism_fields(fam, chosen[fam])
+        if param not in fields:
+            raise RetentionError(f"--param {item!r}: {fam} {chosen[fam]!r} has no parameter {param!r}; "
+                                 f"it takes {', '.join(sorted(fields)) or 'none'}")
+        if param in per[fam]:
+            raise RetentionError(f"--param {owner}.{param} is given twice; give it once")
+        per[fam][param] = _convert(fields[param], raw.strip(), f"--param {item!r}")
+    entries = {fam: ({"name": name, "params": per[fam]} if per[fam] else name)
+               for fam, name in chosen.items() if name is not None}
+    return tuple(rest), entries

@@ -17,11 +17,27 @@ Accounting modes derive `b` from the budget `B`:
 * `peak`: `b = B - N`: no decode step ever attends to more than `B` tokens.
 * `prefill`: `b = B`, the loose convention of published implementations (size right after a
   compaction); the real mean is about `B + N/2`, which the meter reports.
+
+The cadence family. A cadence is a subclass of `Cadence` (plugins: entry-point group
+`retention.cadences`, `module:Class`, `file.py:Class`); `fixed` (this class) is the interval cadence
+above. A cadence decides `due(stored, prefill, prompt_length, token)` (`token`: the id the forward
+just wrote, on the host) and states its `span`: the most tokens a row stores above `b` before it is
+due. The rule that derives `b` from `B` is the one above with `span` for `N`: if every cycle runs
+from `b + 1` to at most `b + span` attended tokens, the mean over any prefix of the generation is
+at most `b + (span + 1)/2`, so `b = B - span//2 - 1` holds the mean at or below `B` whatever the
+cycle lengths are (`mean`), and `b = B - span` holds the peak (`peak`). An irregular cadence is
+therefore metered exactly like the fixed one, and the meter checks the bound on every record.
+
+* `newline` (R-KV's `divide_method=newline`, Cai et al. 2025): once a row holds `b + N` tokens it
+  compacts at the first line break it writes (a reasoning-step boundary), and at the latest after
+  `max_wait` more tokens: `span = N + max_wait`. Line breaks are the token ids whose text contains
+  `\n` (`prepare(tokenizer)`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from retention.errors import RetentionError
 
@@ -65,8 +81,9 @@ def nominal_budget(budget: int, interval: int, accounting: str) -> int:
 
 @dataclass(frozen=True)
 class Cadence:
-    """Interval cadence with a nominal target. `budget=None` means no eviction (the `full` row)."""
+    """Interval cadence with a nominal target (`fixed`). `budget=None` means no eviction (the `full` row)."""
 
+    name: ClassVar[str] = "fixed"
     budget: int | None
     interval: int
     accounting: str = "mean"
@@ -105,19 +122,37 @@ class Cadence:
         return self.budget is not None
 
     @property
+    def span(self) -> int:
+        """The most tokens a row stores above `b` before it is due (the `N` of the bound on `b`)."""
+        return self.interval
+
+    @property
     def nominal(self) -> int | None:
         """`b`: tokens per (layer, KV head) right after a compaction."""
         if self.budget is None:
             return None
-        return nominal_budget(self.budget, self.interval, self.accounting)
+        return nominal_budget(self.budget, self.span, self.accounting)
+
+    def prepare(self, tokenizer) -> None:
+        """Read what the cadence needs from the run's tokenizer (once per run; None in some tests)."""
+
+    def params(self) -> dict:
+        """This cadence's own parameters beyond the fixed cadence's (recorded in the configuration)."""
+        return {}
+
+    @classmethod
+    def trivial(cls) -> dict | None:
+        """Parameters under which this cadence must behave exactly as `fixed` (checked), or None."""
+        return None
 
     def keep(self, prompt_length: int = 0) -> int:
         """Tokens a compaction keeps: `b`, plus the whole prompt with `protect_prompt`."""
         return self.nominal + (prompt_length if self.protect_prompt else 0)
 
-    def due(self, stored: int, prefill: bool, prompt_length: int = 0) -> bool:
+    def due(self, stored: int, prefill: bool, prompt_length: int = 0, token: int | None = None) -> bool:
         """Whether to compact now, given `stored` tokens per (layer, KV head) after a forward (with
-        `protect_prompt` the prompt is never compacted at prefill and not counted against `b + N`)."""
+        `protect_prompt` the prompt is never compacted at prefill and not counted against `b + N`);
+        `token`: the id the forward just wrote (None at prefill)."""
         if self.budget is None:
             return False
         if self.protect_prompt:
@@ -125,3 +160,47 @@ class Cadence:
         if prefill:
             return stored > self.nominal
         return stored >= self.nominal + self.interval
+
+
+@dataclass(frozen=True)
+class NewlineCadence(Cadence):
+    """Compact at the first line break after `b + N` stored tokens, at the latest at `b + N + max_wait`
+    (module docstring: `span = N + max_wait`, so `b = B - span//2 - 1` in mean accounting)."""
+
+    name: ClassVar[str] = "newline"
+    max_wait: int = 32
+    _newlines: set = field(default_factory=set, init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.max_wait < 0:
+            raise RetentionError(f"newline.max_wait must be >= 0, got {self.max_wait}")
+        super().__post_init__()
+
+    @property
+    def span(self) -> int:
+        return self.interval + self.max_wait
+
+    @classmethod
+    def trivial(cls) -> dict | None:
+        return {"max_wait": 0}  # due at b + N whatever the token: the fixed cadence
+
+    def params(self) -> dict:
+        return {"max_wait": self.max_wait}
+
+    def prepare(self, tokenizer) -> None:
+        if tokenizer is None:
+            return
+        vocab = len(tokenizer)
+        texts = tokenizer.batch_decode([[i] for i in range(vocab)])
+        self._newlines.clear()
+        self._newlines.update(i for i, t in enumerate(texts) if "\n" in t)
+
+    def due(self, stored, prefill, prompt_length=0, token=None) -> bool:
+        if self.budget is None:
+            return False
+        if prefill:
+            return (not self.protect_prompt) and stored > self.nominal
+        above = stored - (prompt_length if self.protect_prompt else 0) - self.nominal
+        if above >= self.span:
+            return True
+        return above >= self.interval and token in self._newlines

@@ -199,7 +199,7 @@ def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens
     when it reaches it; with `protect_prompt` the prompt comes on top), else prompt + new tokens."""
     c = policy.cadence
     if policy.scorer.evicts and c.evicts:
-        return c.nominal + c.interval + (prompt_length if c.protect_prompt else 0)
+        return c.nominal + c.span + (prompt_length if c.protect_prompt else 0)
     return prompt_length + max_new_tokens
 
 
@@ -227,8 +227,7 @@ class Engine:
         self.cache: RetentionCache | None = None
         self.ref: RetentionCache | None = None
         self.gens: list[torch.Generator | None] = [None] * self.S  # one per slot, reseeded per request
-        if hasattr(policy.scorer, "reset"):
-            policy.scorer.reset()
+        policy.reset()
 
     @property
     def done(self) -> bool:
@@ -240,7 +239,7 @@ class Engine:
         dev, sampling, policy = self.device, self.sampling, self.policy
         t0 = _now(dev)
         P = len(req.prompt_ids)
-        policy.scorer.reset_slot(slot, req.seed)
+        policy.reset_slot(slot, req.seed)
         if sampling.temperature > 0:
             self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
         st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget), self.gens[slot],
@@ -285,7 +284,7 @@ class Engine:
         """Start requests on `slot` until one survives its first token (or the queue is empty)."""
         while self.queue:
             st, lg, tmp, tmp_ref = self._start(slot)
-            tok = sample_rows(lg, self.sampling, [self.gens[slot]])[0]
+            tok = sample_rows(self.policy.decoding.adjust(lg, [slot], [st.out]), self.sampling, [self.gens[slot]])[0]
             if self._take(st, tok, lg[0]):
                 self._finish(st)
                 continue
@@ -330,8 +329,9 @@ class Engine:
         logits = self.adapter.forward(ids, pos, cache, padded=True)
         t_fwd = clock.mark()
         stats.steps += 1
+        policy = self.policy
         for r, st in enumerate(rows):
-            st.meter.record([cache.lengths[r]])
+            st.meter.record([cache.lengths[r]], policy.row_kib(cache, r, self.kib))
         if ref is not None:
             ref_logits = self.adapter.forward(ids, pos, ref, padded=True)
             kl, agree = step_agreement(ref_logits, logits)
@@ -340,11 +340,14 @@ class Engine:
                 st.fid.top1_agree.append(agree[r])
         t_c = clock.mark()
         nxt = [len(st.req.prompt_ids) + len(st.out) for st in rows]
-        compacted = self.policy.after_forward(cache, nxt[0] if R == 1 else nxt,
-                                              rows[0].meter if R == 1 else [st.meter for st in rows], prefill=False)
+        compacted = policy.after_forward(cache, nxt[0] if R == 1 else nxt,
+                                         rows[0].meter if R == 1 else [st.meter for st in rows], prefill=False,
+                                         tokens=[st.out[-1] for st in rows])
         t_end = clock.mark()
         # The one host read of the step (batched EOS and length checks); the timings after it.
-        toks = sample_rows(logits, self.sampling, [self.gens[cache.slots[r]] for r in range(R)])
+        slots = cache.slots[:R]
+        toks = sample_rows(policy.decoding.adjust(logits, slots, [st.out for st in rows]), self.sampling,
+                           [self.gens[s] for s in slots])
         dt = clock.seconds(t_step, t_fwd)
         stats.decode_seconds += dt
         for st in rows:

@@ -62,9 +62,8 @@ def decode(model, token_ids: list[int], prompt_length: int, scorer: str = "full"
     policy = RetentionPolicy(sc, cadence_for(sc, budget, interval, sink=sink))
     cache = adapter.new_cache(None, sc)
     cache.slots, cache.prompt_lengths = [0], [prompt_length]
-    if hasattr(sc, "reset"):
-        sc.reset()
-    sc.reset_slot(0, seed)
+    policy.reset()
+    policy.reset_slot(0, seed)
     meter = BudgetMeter(kib_per_token=1.0, budget=policy.cadence.budget)
     dev = next(model.parameters()).device
     ids = torch.tensor([token_ids], device=dev)

@@ -37,14 +37,23 @@ class BudgetMeter:
     _final: int = 0
     _trace: list[tuple[int, float]] = field(default_factory=list)
     _stride: int = 1
+    _kib_sum: float = 0.0
+    _kib_peak: float = 0.0
+    _kib_steps: int = 0  # steps whose bytes a state reported (0: every token in full precision)
 
     def record_prefill(self, lengths: list[int]) -> None:
         self.prefill_tokens = max(lengths)
         self._final = max(lengths)
 
-    def record(self, lengths: list[int]) -> None:
-        """Stored tokens per layer that the decode step just attended to."""
+    def record(self, lengths: list[int], kib: float | None = None) -> None:
+        """Stored tokens per layer that the decode step just attended to; `kib`: the KiB the row
+        stores when a state keeps tokens in another representation (None: tokens x kib_per_token)."""
         mean = sum(lengths) / len(lengths)
+        if kib is not None or self._kib_steps:
+            kib = mean * self.kib_per_token if kib is None else kib
+            self._kib_sum += kib
+            self._kib_peak = max(self._kib_peak, kib)
+            self._kib_steps += 1
         self._sum += mean
         self._peak = max(self._peak, max(lengths))
         self._final = max(lengths)
@@ -78,6 +87,13 @@ class BudgetMeter:
         return self._final
 
     @property
+    def mean_kib(self) -> float:
+        """Mean KiB stored over decode steps (what a state reported, else tokens x kib_per_token)."""
+        if self._kib_steps and self._kib_steps == self._steps:
+            return self._kib_sum / self._kib_steps
+        return self.mean * self.kib_per_token
+
+    @property
     def exceeded(self) -> bool:
         """The measured mean is above the budget (the project's definition, whatever the mode)."""
         return self.budget is not None and self.mean > self.budget
@@ -94,7 +110,7 @@ class BudgetMeter:
             "cache_prefill_tokens": self.prefill_tokens,
             "kib_per_token": self.kib_per_token,
             "kib_counts": self.counts,
-            "cache_mean_kib": self.mean * self.kib_per_token,
+            "cache_mean_kib": self.mean_kib,
             "budget_exceeded": self.exceeded,
             "compactions": self.compactions,
             "decode_steps": self.steps,

@@ -1,4 +1,15 @@
-"""A retention policy = a scorer + a cadence. The generation loop only calls `after_forward`.
+"""A retention policy = five mechanisms, one per intervention family of the design space:
+
+    scoring   which tokens are kept                 `Scorer.score` / `select`   (retention.scorers)
+    cadence   when a compaction happens             `Cadence.due`, the bound on b (runtime.cadence)
+    routing   which kept set each layer follows     `Routing.configure/select`  (runtime.routing)
+    state     what a kept token is stored as        `State.before/after_compaction`, `row_kib`
+    decoding  how generation behaves on the cache   `Decoding.adjust` on each step's logits
+
+The generation loop calls `after_forward` after each forward (the scorer observes, the cadence
+says which rows are due, the routing selects with the scorer's scores, the state acts around the
+gather), `adjust` on the logits before sampling, `row_kib` for the meter and `reset_slot` when a slot
+starts a sequence. The defaults (`fixed`, `native`, `full`, `none`) are today's behaviour bit for bit.
 
 The cadence is per row (sequence slot): after a forward, every row whose own stored length reached
 `b + N` (or its prompt exceeded `b`, at prefill) is due, and the scorer runs once over all the rows due
@@ -11,9 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dataclasses import field
+
 from retention.runtime.cache import RetentionCache
-from retention.runtime.cadence import Cadence, default_interval
+from retention.runtime.cadence import Cadence, default_interval, nominal_budget
+from retention.runtime.decoding import Decoding
 from retention.runtime.meter import BudgetMeter
+from retention.runtime.routing import Routing
+from retention.runtime.state import State
 
 if TYPE_CHECKING:  # the type only: the scorers read this package's cache, the policy just calls them
     from retention.scorers.base import Scorer
@@ -23,26 +39,53 @@ if TYPE_CHECKING:  # the type only: the scorers read this package's cache, the p
 class RetentionPolicy:
     scorer: Scorer
     cadence: Cadence
+    routing: Routing = field(default_factory=Routing)
+    state: State = field(default_factory=State)
+    decoding: Decoding = field(default_factory=Decoding)
+
+    def __post_init__(self):
+        self.scorer = self.routing.configure(self.scorer)
 
     def attach(self, model):
         return self.scorer.attach(model)
 
-    def due_rows(self, cache: RetentionCache, prefill: bool) -> list[int]:
+    def prepare(self, tokenizer) -> None:
+        """What the mechanisms read from the run's tokenizer (the newline cadence's line breaks)."""
+        self.cadence.prepare(tokenizer)
+
+    def reset(self) -> None:
+        """A run starts: clear every mechanism's per-run state."""
+        self.scorer.reset()
+
+    def reset_slot(self, slot: int, seed: int) -> None:
+        """Engine slot `slot` starts a new sequence whose seed is `seed`."""
+        self.scorer.reset_slot(slot, seed)
+        self.state.reset_slot(slot, seed)
+        self.decoding.reset_slot(slot, seed)
+
+    def row_kib(self, cache: RetentionCache, row: int, kib_per_token: float) -> float | None:
+        """KiB row `row` stores now (None: stored tokens x kib_per_token, every token in full precision)."""
+        return self.state.row_kib(cache, row, kib_per_token)
+
+    def due_rows(self, cache: RetentionCache, prefill: bool, tokens: list[int] | None = None) -> list[int]:
         if not self.scorer.evicts:
             return []
-        return [r for r, n in enumerate(cache.lengths) if self.cadence.due(n, prefill, cache.prompt_lengths[r])]
+        toks = tokens if tokens is not None else [None] * cache.rows
+        return [r for r, n in enumerate(cache.lengths) if self.cadence.due(n, prefill, cache.prompt_lengths[r], toks[r])]
 
-    def after_forward(self, cache: RetentionCache, next_position, meter, prefill: bool) -> bool:
+    def after_forward(self, cache: RetentionCache, next_position, meter, prefill: bool,
+                      tokens: list[int] | None = None) -> bool:
         """Let the scorer observe the step, then compact the rows that are due. Returns True if any was.
 
         next_position: the absolute position of each row's next query (a list, or one int for a
-        single-row cache); meter: each row's `BudgetMeter` (a list, or one meter for a single row).
+        single-row cache); meter: each row's `BudgetMeter` (a list, or one meter for a single row);
+        tokens: the id each row's forward just wrote (host ints; None at prefill).
         """
         rows = cache.rows
         nxt = [int(next_position)] * rows if isinstance(next_position, int) else [int(t) for t in next_position]
         meters = [meter] * rows if isinstance(meter, BudgetMeter) else list(meter)
         self.scorer.observe(cache, nxt)
-        due = self.due_rows(cache, prefill)
+        due = self.due_rows(cache, prefill, tokens)
         if not due:
             return False
         groups: dict[int, list[int]] = {}
@@ -53,8 +96,10 @@ class RetentionPolicy:
             view = cache.view([nxt[r] for r in grp], sink=c.sink, recent=c.recent, rows=grp,
                               prompt_length=[cache.prompt_lengths[r] for r in grp],
                               protect_prompt=c.protect_prompt, slots=[cache.slots[r] for r in grp])
-            keep = self.scorer.select(self.scorer.score(view), view, k)
+            keep = self.routing.select(self.scorer, self.scorer.score(view), view, k)
+            self.state.before_compaction(cache, grp, keep, view)
             cache.compact_rows(grp, keep)
+            self.state.after_compaction(cache, grp, nxt, meters[grp[0]].kib_per_token)
             self.scorer.compacted(keep, view)
             for r in grp:
                 meters[r].note_compaction([cache.lengths[r]])
@@ -62,15 +107,21 @@ class RetentionPolicy:
 
 
 def cadence_for(scorer: Scorer, budget: int | None, interval: int | None = None, accounting: str = "mean",
-                sink: int | None = None, recent: int | None = None, protect_prompt: bool = False) -> Cadence:
-    """The cadence of `scorer` at `budget`: no budget for a scorer that never evicts, the default
-    interval `min(128, B)`, the scorer's own protected tokens unless `sink`/`recent` are given, and
-    at least the window a window scorer always keeps (`min_recent`)."""
+                sink: int | None = None, recent: int | None = None, protect_prompt: bool = False,
+                kind: type[Cadence] = Cadence, params: dict | None = None) -> Cadence:
+    """The cadence (`kind`, with its own `params`) of `scorer` at `budget`: no budget for a scorer
+    that never evicts, the default interval `min(128, B)` (shortened so that `b` stays at least the
+    protected tokens + 1 under the cadence's span), the scorer's own protected tokens unless
+    `sink`/`recent` are given, and at least the window a window scorer always keeps (`min_recent`)."""
     budget = budget if scorer.evicts else None
     sink = scorer.default_sink if sink is None else sink
-    recent = scorer.default_recent if recent is None else recent
-    if hasattr(scorer, "min_recent"):
-        recent = max(recent, scorer.min_recent())
-    interval = interval or (default_interval(budget, accounting, max(1, sink + recent + 1)) if budget else 1)
-    return Cadence(budget=budget, interval=interval, accounting=accounting, sink=sink, recent=recent,
-                   protect_prompt=protect_prompt and budget is not None)
+    recent = max(scorer.default_recent if recent is None else recent, scorer.min_recent())
+    params = dict(params or {})
+    if interval is None and budget:
+        floor = max(1, sink + recent + 1)
+        extra = kind(budget=None, interval=1, **params).span - 1  # span beyond the interval (newline: max_wait)
+        interval = default_interval(budget, accounting, floor)
+        while interval > 1 and nominal_budget(budget, interval + extra, accounting) < floor:
+            interval -= 1  # a longer span (newline's max_wait) needs a shorter interval at small budgets
+    return kind(budget=budget, interval=interval or 1, accounting=accounting, sink=sink, recent=recent,
+                protect_prompt=protect_prompt and budget is not None, **params)

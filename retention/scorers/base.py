@@ -95,6 +95,13 @@ class Scorer:
         """Set-up for one run on `model` (load statistics, start recording queries)."""
         return contextlib.nullcontext()
 
+    def reset(self) -> None:
+        """A run starts: clear state from a previous run."""
+
+    def min_recent(self) -> int:
+        """Newest tokens this scorer always keeps (counted inside `b` by the cadence)."""
+        return 0
+
     def reset_slot(self, slot: int, seed: int) -> None:
         """Engine slot `slot` starts a new sequence whose seed is `seed`: drop that slot's state."""
 

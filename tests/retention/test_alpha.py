@@ -89,13 +89,13 @@ class SignatureCheckPolicy(RetentionPolicy):
     checked: int = 0
     diverged: bool = False
 
-    def after_forward(self, cache, next_position, meter, prefill):
+    def after_forward(self, cache, next_position, meter, prefill, tokens=None):
         new = next_position - self.seen
         vals = [ly.values[:, :, -new:] for ly in cache.layers]
         for j in range(new):
             self.written[self.seen + j] = ref_token_signature(vals, 0, j)
         self.seen = next_position
-        did = super().after_forward(cache, next_position, meter, prefill)
+        did = super().after_forward(cache, next_position, meter, prefill, tokens)
         if did:
             sig = _signatures(cache, self.scorer)
             sig = sig if self.scorer.per_layer else sig.expand(len(cache.layers), -1, -1, -1, -1)
@@ -225,8 +225,8 @@ class SnapshotPolicy(RetentionPolicy):
 
     snapshots: list = field(default_factory=list)
 
-    def after_forward(self, cache, next_position, meter, prefill):
-        did = super().after_forward(cache, next_position, meter, prefill)
+    def after_forward(self, cache, next_position, meter, prefill, tokens=None):
+        did = super().after_forward(cache, next_position, meter, prefill, tokens)
         if did:
             self.snapshots.append([(ly.keys.clone(), ly.values.clone(), ly.positions.clone()) for ly in cache.layers])
         return did

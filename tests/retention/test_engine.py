@@ -128,14 +128,14 @@ def test_unlimited_budget_equals_dynamic_cache(tiny, stats_path, name):
 class CheckedPolicy(RetentionPolicy):
     """After every forward: each row's meter counts what its row stores, and the view holds it."""
 
-    def after_forward(self, cache, next_position, meter, prefill):
+    def after_forward(self, cache, next_position, meter, prefill, tokens=None):
         meters = [meter] if cache.rows == 1 else meter
         valid = cache.valid_mask()
         for r, m in enumerate(meters):
             assert int(valid[r].sum()) == cache.lengths[r] == m.final
         per_token = sum(2 * ly.kbuf[0, :, 0].numel() * ly.kbuf.element_size() for ly in cache.layers)
         assert cache.stored_bytes() == per_token * sum(cache.lengths)
-        return super().after_forward(cache, next_position, meter, prefill)
+        return super().after_forward(cache, next_position, meter, prefill, tokens)
 
 
 @pytest.mark.parametrize("accounting", ["mean", "peak", "prefill"])

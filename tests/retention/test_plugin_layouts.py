@@ -87,9 +87,9 @@ def test_snapkv_rule_is_recorded_only_when_set():
     from retention.errors import RetentionError
 
     base = {"model": "tiny-random", "scorer": "snapkv", "budget": 16}
-    _, config, _, _ = validate_arm(base)
+    config = validate_arm(base).config
     assert "rule" not in config["scorer_params"]  # configurations from before the rule keep their hash
-    _, config, _, _ = validate_arm(dict(base, scorer_params={"rule": "head"}))
+    config = validate_arm(dict(base, scorer_params={"rule": "head"})).config
     assert config["scorer_params"]["rule"] == "head"
     with pytest.raises(RetentionError, match="snapkv cannot score the tiny-random cache: it reads attention"):
         validate_arm(dict(base, scorer_params={"rule": "group"}))

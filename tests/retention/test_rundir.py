@@ -8,6 +8,7 @@ import pytest
 
 from protocol.errors import ProtocolError
 from retention.errors import RetentionError
+from retention.runs.arms import validate_arm
 from retention.runs.runner import Arm, RunDir, count_pending
 from retention.runs.scale.shard import shard_pairs
 
@@ -89,7 +90,7 @@ def test_pending_pairs_are_lazy(tmp_path):
     `count_pending`: neither allocates per sample."""
     run = _fill(tmp_path, n=1)
     run = RunDir(run.path, CONFIG)
-    arm = Arm(run, "streaming", {}, None)
+    arm = Arm(run, validate_arm({"model": "tiny-random", "scorer": "streaming", "budget": 16}))
     problems = [SimpleNamespace(unique_id=f"p{i}") for i in range(3)]
     huge = 10**20  # `--samples 99999999999999999999` must not allocate
     first = list(itertools.islice(shard_pairs(len(problems), huge, None), 3))

@@ -15,7 +15,7 @@ def test_qualified_params_reach_only_their_scorer():
     per = resolve(["alpha", "rkv", "h2o"], {}, ("alpha.lam=0.5", "rkv.lam=0.1", "h2o.window=6"))
     assert per == {"alpha": {"lam": 0.5}, "rkv": {"lam": 0.1}, "h2o": {"window": 6}}
     assert isinstance(per["h2o"]["window"], int)
-    _, params, _ = build_arm_config(BASE, "rkv", per["rkv"])
+    params = build_arm_config(BASE, "rkv", per["rkv"]).scorer_params
     assert params["lam"] == 0.1
 
 
@@ -40,7 +40,6 @@ def test_contradictions_are_refused_not_resolved_silently(names, shared, params,
 @pytest.mark.parametrize("names,shared,params,match", [
     (["snapkv"], {"--lambda": 0.5}, (), "--lambda is not a parameter of any listed scorer"),
     (["alpha"], {"--window": 4}, (), "--window is not a parameter"),
-    (["snapkv", "h2o"], {"--routing": "shared"}, (), "--routing is not a parameter"),
     (["snapkv"], {}, ("snapkv.lam=0.5",), "has no parameter 'lam'"),
     (["alpha"], {}, ("rkv.lam=0.5",), "scorer 'rkv' is not listed"),
     (["alpha"], {}, ("lam=0.5",), "expected SCORER.NAME=VALUE"),

@@ -94,8 +94,8 @@ class CheckedPolicy(RetentionPolicy):
 
     kept_positions: list = field(default_factory=list)
 
-    def after_forward(self, cache, next_position, meter, prefill):
-        did = super().after_forward(cache, next_position, meter, prefill)
+    def after_forward(self, cache, next_position, meter, prefill, tokens=None):
+        did = super().after_forward(cache, next_position, meter, prefill, tokens)
         b, n_int = self.cadence.nominal, self.cadence.interval
         for layer, n in zip(cache.layers, cache.stored_lengths()):
             bsz, g, _, d = layer.keys.shape
@@ -178,12 +178,13 @@ def test_cli_configuration_of_new_scorers(tmp_path):
         build_arm_config(base, "alpha", {"stats": str(tmp_path / "missing.safetensors")})
     options = {"lam": 0.3, "radius": None, "window": 4, "routing": "per-layer", "stats": str(stats)}
     for name in ("snapkv", "rkv", "h2o"):
-        _, params, cad = build_arm_config(base, name, options)
-        assert cad.recent == 4 and params["window"] == 4
-    config, params, cad = build_arm_config(base, "alpha", options)
+        spec = build_arm_config(base, name, options)
+        assert spec.cadence.recent == 4 and spec.scorer_params["window"] == 4
+    spec = build_arm_config(base, "alpha", options)
+    params, config = spec.scorer_params, spec.config
     assert params == {"lam": 0.3, "radius": 0.0, "routing": "per-layer", "stats": str(stats.resolve())}
-    assert cad.recent == 0
+    assert spec.cadence.recent == 0
     assert config["stats_sha256"] == hashlib.sha256(stats.read_bytes()).hexdigest()
-    _, params, _ = build_arm_config(base, "rkv", options)
+    params = build_arm_config(base, "rkv", options).scorer_params
     assert params["lam"] == 0.3
     json.dumps(params)

@@ -72,7 +72,7 @@ def refuse_evicting(arm_specs, engine_name: str) -> None:
     """Another engine has no retention cache: an evicting scorer would silently run full-cache."""
     from retention.scorers import get_scorer_class
 
-    evicting = [name for name, *_ in arm_specs if get_scorer_class(name).evicts]
+    evicting = [spec.name for spec in arm_specs if get_scorer_class(spec.name).evicts]
     if evicting:
         raise RetentionError(f"--engine {engine_name} runs non-evicting arms only (full): {evicting} evict tokens "
                              "inside this project's cache, which another engine does not have; run them with "
@@ -112,12 +112,12 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
             for c in (done[(r.problem_id, r.sample)] for r in requests):  # run order, whatever the engine's
                 text = output_text(tokenizer, c.request.prompt_ids, c.token_ids)
                 record, (steps, tokens) = build_record(c, config_hash=arm.run.hash, text=text,
-                                                       gold=gold[c.request.problem_id], cadence=arm.cadence,
+                                                       gold=gold[c.request.problem_id], cadence=arm.spec.cadence,
                                                        kib_per_token=kib_per_token, batch_size=batch,
                                                        grader=grader)
                 arm.run.append_trace(c.request.problem_id, c.request.sample, steps, tokens)
                 arm.run.records.append(record)
                 bar.update(1)
-            bar.set_postfix_str(f"{arm.scorer} on {engine.name}: {time.perf_counter() - t0:.1f} s per batch",
+            bar.set_postfix_str(f"{arm.spec.name} on {engine.name}: {time.perf_counter() - t0:.1f} s per batch",
                                 refresh=True)
     bar.close()

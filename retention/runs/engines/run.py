@@ -68,11 +68,11 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
     engine = (factory or engine_factory(engine_name))(weights, dtype, device)
     style = prompt_style(model, tokenizer)  # the prompt this project's engine gives the same model
     arms = []
-    for name, config, params, cadence in arm_specs:
-        config = dict(config, model_id=model_id, model_revision=revision, engine=engine.name,
-                      engine_version=engine.version, **({} if style == "chat" else {"prompt": style}),
-                      **(extra_config or {}))
-        arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
+    for spec in arm_specs:
+        spec = spec.with_config(model_id=model_id, model_revision=revision, engine=engine.name,
+                                engine_version=engine.version, **({} if style == "chat" else {"prompt": style}),
+                                **(extra_config or {}))
+        arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
     eos = {i for i in [tokenizer.eos_token_id, *(_generation_eos(weights))] if isinstance(i, int)}
     run_engine_arms(engine, tokenizer, geometry.kib_per_token, arms, problems, samples=samples, base_seed=seed,
                     sampling=sampling, eos_ids=eos, grade=grade, shard=shard, progress=progress, prompt_style=style)

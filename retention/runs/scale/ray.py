@@ -76,7 +76,7 @@ def _arm_configs(job: dict) -> list[dict]:
     """The configurations the driver expects to find in config.json (before the model's id and
     revision are added), to find the run directories to watch."""
     extra = job.get("extra_config") or {}
-    return [dict(config, **extra) for _name, config, _params, _cadence in job["arm_specs"]]
+    return [dict(spec.config, **extra) for spec in job["arm_specs"]]
 
 
 def _count_done(out: Path, configs: list[dict], count: int, cache: dict) -> int:

@@ -1,0 +1,131 @@
+"""The contract kit for the non-scoring families: `retention check FAMILY:NAME`.
+
+A mechanism is checked inside an arm (a reference scorer, `triattention` by default, at the kit's
+budget on `tiny-random` in float64), so every invariant of the scorer contract applies to the arm it
+makes (`retention.contract.checks`: kept count, batch invariance, physical eviction, the mean budget,
+determinism, resume, host reads; the stored memory the meter counts equals the state's recount from
+the buffers after every forward). On top, per family:
+
+* trivial member exact: the mechanism with its `trivial()` parameters decodes exactly what the
+  family's default decodes (tokens, finish reasons, meters): it changes nothing it claims not to;
+* the family's default decodes exactly what an arm without the family key decodes;
+* budget held in bytes (states): no sequence's measured mean KiB is above what the same tokens
+  cost in full precision at the budget (`B x kib_per_token`);
+* dequantisation error bound (the `quant` state and its subclasses): on seeded keys and values the stored
+  values are within the stated bound of the originals.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from retention.contract.checks import BUDGET, CheckResult, _guard, _Kit, run_checks
+from retention.errors import RetentionError
+from retention.runtime.mechanisms import FAMILIES, mechanism_class
+from retention.runtime.state import Quant, _quantise_keys, _quantise_values
+
+DEFAULT_SCORER = "triattention"
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """`FAMILY:NAME` -> (family, name); a bare name is a scorer. A plugin spec keeps its own colon:
+    `state:pkg.mod:Class`."""
+    fam, sep, name = target.partition(":")
+    if sep and fam in FAMILIES:
+        return fam, name
+    return "scorer", target
+
+
+def run_family_checks(family: str, name: str, params: dict | None = None, *, scorer: str = DEFAULT_SCORER,
+                      share: bool = False) -> list[CheckResult]:
+    """Every check of mechanism `name` of `family` (with `params`) in an arm of `scorer`."""
+    cls = mechanism_class(family, name)  # one error line for an unknown or broken plugin
+    entry = {"name": name, "params": dict(params or {})}
+    results = run_checks(scorer, {}, share=share, mechanisms={family: entry})
+    if any(r.name == "set-up" for r in results):
+        return results
+    with tempfile.TemporaryDirectory(prefix="retention-check-") as tmp:
+        tmp = Path(tmp)
+        results.append(_guard("default exact", lambda: _default_exact(family, scorer, tmp)))
+        trivial = cls.trivial()
+        if trivial is not None:
+            results.append(_guard("trivial member exact",
+                                  lambda: _trivial_exact(family, name, trivial, scorer, tmp)))
+        if family == "state":
+            results.append(_guard("budget held in bytes", lambda: _bytes_held(family, entry, scorer, tmp)))
+            if issubclass(cls, Quant):
+                results.append(_guard("dequantisation error bound", lambda: _error_bound(name, entry["params"])))
+    return results
+
+
+def _decode(family: str, entry, scorer: str, tmp: Path, tag: str):
+    kit = _Kit(scorer, {}, tmp / tag, None if entry is None else {family: entry})
+    gens, _, _, _ = kit.decode(8, checks=False)
+    return gens
+
+
+def _differ(a: dict, b: dict) -> str | None:
+    for k in sorted(a):
+        ga, gb = a[k], b.get(k)
+        if gb is None or ga.token_ids != gb.token_ids or ga.finish_reason != gb.finish_reason:
+            return f"sequence {k}: tokens differ"
+        if ga.meter.summary() != gb.meter.summary():
+            return f"sequence {k}: meters differ"
+    return None
+
+
+def _default_exact(family: str, scorer: str, tmp: Path) -> CheckResult:
+    default = FAMILIES[family].default
+    diff = _differ(_decode(family, None, scorer, tmp, "absent"), _decode(family, default, scorer, tmp, "default"))
+    return CheckResult("default exact", diff is None, diff or f"--{family} {default} decodes what no {family} key does")
+
+
+def _trivial_exact(family: str, name: str, trivial: dict, scorer: str, tmp: Path) -> CheckResult:
+    base = _decode(family, None, scorer, tmp, "base")
+    got = _decode(family, {"name": name, "params": trivial}, scorer, tmp, "trivial")
+    diff = _differ(base, got)
+    return CheckResult("trivial member exact", diff is None,
+                       diff or f"{name} with {trivial} decodes exactly what {FAMILIES[family].default} does")
+
+
+def _bytes_held(family: str, entry: dict, scorer: str, tmp: Path) -> CheckResult:
+    kit = _Kit(scorer, {}, tmp / "bytes", {family: entry})
+    gens, _, _, _ = kit.decode(8, checks=False)
+    limit = BUDGET * 1.0  # the kit decodes at 1 KiB per full-precision token
+    over = [f"sequence {k}: mean {g.meter.mean_kib:.3f} KiB > {limit:.3f}" for k, g in sorted(gens.items())
+            if g.meter.mean_kib > limit + 1e-9]
+    worst = max(g.meter.mean_kib for g in gens.values())
+    return CheckResult("budget held in bytes", not over, "; ".join(over[:3]) or
+                       f"largest mean {worst:.3f} KiB <= {limit:.3f} KiB (budget {BUDGET} tokens in full precision)")
+
+
+def _error_bound(name: str, params: dict) -> CheckResult:
+    state = mechanism_class("state", name)(**params)
+    if not isinstance(state, Quant):
+        raise RetentionError(f"no dequantisation check for state {name!r}")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 64, generator=g, dtype=torch.float64) * torch.linspace(0.1, 8, 64, dtype=torch.float64)
+    new = torch.rand(2, 3, 40, generator=g) < 0.7
+    cidx = torch.where(new, (new.long().cumsum(-1) - 1) // state.group, 0)
+    keys = _quantise_keys(x, new, cidx, state.bits).double()
+    worst = 0.0
+    for b, h in zip(*torch.nonzero(new.any(-1), as_tuple=True), strict=True):
+        for c in cidx[b, h][new[b, h]].unique():
+            sel = new[b, h] & (cidx[b, h] == c)
+            grp = x[b, h][sel]
+            bound = state.error_bound(grp, grp.amin(0), grp.amax(0)) + 1e-6 * grp.abs().amax(0)
+            err = (keys[b, h][sel] - grp).abs()
+            if bool((err > bound).any()):
+                return CheckResult("dequantisation error bound", False, f"a key error {float(err.max()):.4g} exceeds "
+                                   f"half a step of its chunk")
+            worst = max(worst, float((err / bound.clamp_min(1e-12)).max()))
+    v = x.view(2, 3, 40, 64 // state.group, state.group)
+    vals = _quantise_values(x, state.group, state.bits).double().view_as(v)
+    vbound = state.error_bound(v, v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)) + 1e-6 * v.abs()
+    ok = bool(((vals - v).abs() <= vbound).all())
+    return CheckResult("dequantisation error bound", ok,
+                       f"keys (per channel, chunks of {state.group}) and values (per token, groups of {state.group}) "
+                       f"within half a quantisation step at {state.bits} bits (largest key error {worst:.3f} of it)")

@@ -1,0 +1,122 @@
+"""An arm is one typed spec: `ArmSpec`, the five mechanisms plus the resolved run configuration.
+
+`retention.runs.arms.validate_arm` is the one place that builds it (from CLI options, a plan's arm
+JSON, the notebook API or the contract kit): every mechanism resolved to its canonical form (its
+name, every parameter with its resolved value, a plugin's identity), validated once and hashed once.
+What runs is built from the spec alone (`ArmSpec.policy()`), so what a plan registers, what `run`
+runs and what `confirm` checks are the same object.
+
+The configuration (`config`, the dict written to `config.json` and hashed) names a non-default
+mechanism of the cadence, routing, state and decoding families under the family's key as
+`{"name": ..., "params": {...}}` (plus `"plugin"`: its identity, for a plugin); a family at its
+default (`fixed`, `native`, `full`, `none`) is absent, so every configuration written before the
+families existed keeps its hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from protocol.io import canonical_json
+from retention.runtime.cadence import Cadence
+from retention.runtime.mechanisms import FAMILIES, make_mechanism
+from retention.runtime.policy import RetentionPolicy
+from retention.scorers import make_scorer
+
+NON_SCORING = tuple(FAMILIES)  # cadence, routing, state, decoding
+
+
+@dataclass(frozen=True)
+class MechanismSpec:
+    """One mechanism of one family: its name, its resolved parameters (sorted) and, for a plugin,
+    its identity (canonical JSON)."""
+
+    family: str
+    name: str
+    params: tuple[tuple[str, object], ...] = ()
+    plugin: str | None = None
+
+    @classmethod
+    def of(cls, family: str, name: str, params: dict | None = None, plugin: dict | None = None) -> MechanismSpec:
+        items = tuple(sorted((params or {}).items()))
+        return cls(family, name, items, None if plugin is None else json.dumps(plugin, sort_keys=True))
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.params)
+
+    @property
+    def is_default(self) -> bool:
+        return self.family in FAMILIES and self.name == FAMILIES[self.family].default
+
+    def record(self) -> dict:
+        """The configuration's form: `{"name", "params"}` (+ `"plugin"`)."""
+        out = {"name": self.name, "params": self.kwargs}
+        if self.plugin is not None:
+            out["plugin"] = json.loads(self.plugin)
+        return out
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One arm: the scorer (`scorer.params` are its constructor arguments, the statistics by path),
+    the cadence built at the arm's budget, the other three mechanisms, and the configuration."""
+
+    scorer: MechanismSpec
+    cadence: Cadence
+    cadence_spec: MechanismSpec
+    routing: MechanismSpec
+    state: MechanismSpec
+    decoding: MechanismSpec
+    config_json: str
+
+    @property
+    def name(self) -> str:
+        """The scorer's name as given (built-in name, entry point or spec)."""
+        return self.scorer.name
+
+    @property
+    def config(self) -> dict:
+        """The resolved run configuration (a fresh copy: the spec itself never changes)."""
+        return json.loads(self.config_json)
+
+    @property
+    def scorer_params(self) -> dict:
+        return self.scorer.kwargs
+
+    @property
+    def mechanisms(self) -> dict[str, MechanismSpec]:
+        return {"scorer": self.scorer, "cadence": self.cadence_spec, "routing": self.routing, "state": self.state,
+                "decoding": self.decoding}
+
+    def non_default(self) -> list[str]:
+        """The families this arm changes from today's behaviour (scoring counts when not `full`)."""
+        return [f for f, m in self.mechanisms.items() if f != "scorer" and not m.is_default]
+
+    def policy(self) -> RetentionPolicy:
+        """Fresh mechanism instances for one run (per-run state never leaks between runs)."""
+        return RetentionPolicy(make_scorer(self.scorer.name, **self.scorer.kwargs), dataclasses.replace(self.cadence),
+                               make_mechanism("routing", self.routing.name, self.routing.kwargs),
+                               make_mechanism("state", self.state.name, self.state.kwargs),
+                               make_mechanism("decoding", self.decoding.name, self.decoding.kwargs))
+
+    @property
+    def hash(self) -> str:
+        """The configuration hash (run ids, resume, pairing)."""
+        return config_hash(self.config)
+
+    def plugins(self) -> list[str]:
+        """`family:name` of every mechanism of this arm that comes from outside the package."""
+        return [f"{m.family}:{m.name}" for m in self.mechanisms.values() if m.plugin is not None]
+
+    def with_config(self, **extra) -> ArmSpec:
+        """The same arm with keys added to its configuration (the loaded model's id and revision)."""
+        return dataclasses.replace(self, config_json=canonical_json(dict(self.config, **extra)))
+
+
+def config_hash(config: dict) -> str:
+    """sha256 of the configuration's canonical JSON."""
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
