@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from protocol.grading.extract import RULES, extract_answer, extract_final, find_boxes
+from protocol.grading.options import option_gold
 from protocol.grading.spans import box_answer
 from protocol.grading.normalize import MAX_ANSWER_CHARS
 
@@ -68,34 +69,48 @@ def _check_timeout(timeout: float) -> float:
 
 
 def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
-               workers: int = 2) -> list[Grade]:
-    """Grade (pred_text, gold) pairs; `timeout` seconds per pair, `workers` processes in parallel."""
+               workers: int = 2, problems: Sequence[str | None] | None = None) -> list[Grade]:
+    """Grade (pred_text, gold) pairs; `timeout` seconds per pair, `workers` processes in parallel.
+    `problems` (one problem text or None per pair) lets a gold that names an option ("(C)") be
+    matched by the option's content ("Plane") as well as by its letter (`options`)."""
     from protocol.grading.worker import default_pool
 
     timeout = _check_timeout(timeout)
     if int(workers) < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
     pairs = list(pairs)
+    problems = [None] * len(pairs) if problems is None else list(problems)
+    if len(problems) != len(pairs):
+        raise ValueError(f"{len(problems)} problems for {len(pairs)} pairs")
     found = []
     for pred, _ in pairs:
         if pred is not None and not isinstance(pred, str):
             raise TypeError(f"pred must be a string or None, got {type(pred).__name__}")
         found.append(extract_final(pred))
     refs = [_reference(gold) for _, gold in pairs]
+    choices = [option_gold(ref, problem) for ref, problem in zip(refs, problems)]
     # every answer the output states as final is judged; credit needs all of them right
-    tasks = [(i, ans) for i, e in enumerate(found) if e.answer is not None
-             for ans in (e.answer, *e.others)]
-    # answers too long to parse are settled here, without shipping megabytes to a worker
-    settled = {k: (("ok", True, None) if ans.strip() == refs[i].strip() else
-                   ("unparsable", None, "answer too long"))
-               for k, (i, ans) in enumerate(tasks) if len(ans) > MAX_ANSWER_CHARS}
+    tasks, settled = [], {}
+    for i, e in enumerate(found):
+        for ans in (() if e.answer is None else (e.answer, *e.others)):
+            ref = refs[i]
+            if choices[i] is not None:  # an option: its letter or content, never a variable `c`
+                decision = choices[i].decide(ans)
+                if decision.compare_with is None:
+                    settled[len(tasks)] = ("ok", decision.verdict, None)
+                ref = decision.compare_with or ref
+            if len(ans) > MAX_ANSWER_CHARS and len(tasks) not in settled:
+                # answers too long to parse are settled here, without shipping megabytes to a worker
+                settled[len(tasks)] = (("ok", True, None) if ans.strip() == ref.strip() else
+                                       ("unparsable", None, "answer too long"))
+            tasks.append((i, ans, ref))
     todo = [k for k in range(len(tasks)) if k not in settled]
-    results = default_pool(int(workers)).run([(tasks[k][1], refs[tasks[k][0]]) for k in todo],
+    results = default_pool(int(workers)).run([tasks[k][1:] for k in todo],
                                              timeout, int(workers)) if todo else []
     by_task = dict(zip(todo, results))
     by_task.update(settled)
     per_item: dict[int, list[tuple]] = {}
-    for k, (i, _) in enumerate(tasks):
+    for k, (i, _, _) in enumerate(tasks):
         per_item.setdefault(i, []).append(by_task[k])
     out = []
     for i, e in enumerate(found):
@@ -144,9 +159,10 @@ def second_opinions(pairs: Iterable[tuple[str, str]], judge: str, timeout: float
             for status, verdict, _ in results]
 
 
-def grade(pred_text: str, gold: str, timeout: float = 5.0) -> Grade:
-    """Grade one model output against the reference answer `gold`."""
-    return grade_many([(pred_text, gold)], timeout=timeout, workers=1)[0]
+def grade(pred_text: str, gold: str, timeout: float = 5.0, problem: str | None = None) -> Grade:
+    """Grade one model output against the reference answer `gold` (of the problem text
+    `problem`, when known: it lists the options of a multiple-choice problem)."""
+    return grade_many([(pred_text, gold)], timeout=timeout, workers=1, problems=[problem])[0]
 
 
 def close_workers() -> None:

@@ -43,9 +43,9 @@ _FRAC_CMD = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _FRAC_SHORT = re.compile(r"\\frac\s*(\{[^{}]*\}|[0-9a-zA-Z]|\\[a-zA-Z]+)\s*"
                          r"(\{[^{}]*\}|[0-9a-zA-Z]|\\[a-zA-Z]+)")
 _SQRT_SHORT = re.compile(r"\\sqrt\s*(?!\s*[\[{])([0-9]+|[a-zA-Z]|\\[a-zA-Z]+)")
-# a digit group separator that LaTeX spells: `{,}`, `\,`, `{\,}`, `\!`, `\ `, `~`, or a mix (`{,}\!`,
+# a digit group separator that LaTeX spells: `{,}` (also `{, }`), `\,`, `{\,}`, `\!`, `\ `, `~`, or a mix (`{,}\!`,
 # `,\,`); a plain comma or space alone is left to the whole-answer rule (it may separate items)
-_SEP_CMD = r"(?:\{(?:,|\\[,;:! ])\}|(?<!\\)\\[,;:! ]|~)"
+_SEP_CMD = r"(?:\{\s*(?:,|\\[,;:! ])\s*\}|(?<!\\)\\[,;:! ]|~)"
 _THOUSANDS_CMD = re.compile(r"(?<=\d)[,\s]*" + _SEP_CMD + r"(?:" + _SEP_CMD + r"|[,\s])*(?=\d{3}(?!\d))")
 _SPACES = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad(?![a-zA-Z])|~")
 _REL_SPELL = [

@@ -15,7 +15,7 @@ _TEXT_ANY = re.compile(r"\\(?:text|textnormal|textup|hbox|mbox|textbf|textrm|tex
                        r"\{([^{}]*)\}")
 DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])|"
                       r"\bdegrees?\b|\bdeg\b")
-PERCENT = re.compile(r"\\%|%|\bpercent\b|\bpct\b")
+PERCENT = re.compile(r"\\%|%|\bper\s?cent\b|\bpercentage(?:\s+points?)?\b|\bpct\b")
 _UNIT_WORDS = (
     "units?|square units?|sq units?|cm|mm|km|meters?|metres?|inches|inch|feet|foot|ft|yards?|yd|"
     "miles?|mi|seconds?|sec|minutes?|mins?|hours?|hrs?|days?|weeks?|months?|years?|yrs?|mph|kph|"

@@ -78,12 +78,15 @@ _COLON = [
     r"الجواب\s*(?=:)", r"उत्तर\s*(?=:)",
 ]
 _THEREFORE = [
-    r"综上所述", r"综上", r"所以", r"因此", r"于是", r"从而", r"したがって", r"従って", r"よって", r"ゆえに",
+    r"综上所述", r"综上", r"所以", r"因此", r"于是", r"从而", r"一共", r"总共", r"共计", r"总计", r"合计",
+    r"最后", r"最终", r"したがって", r"従って", r"よって", r"ゆえに",
     r"以上より", r"(?i:par\s+conséquent)", r"(?i:donc)", r"(?i:ainsi)", r"(?i:au\s+total)",
+    r"(?i:finalement)", r"(?i:en\s+conclusion)", r"(?i:au\s+final)", r"(?i:en\s+définitive)",
     r"(?i:daher)", r"(?i:somit)", r"(?i:folglich)", r"(?i:deshalb)", r"(?i:demnach)", r"(?i:insgesamt)",
     r"(?i:por\s+lo\s+tanto)", r"(?i:por\s+tanto)", r"(?i:por\s+consiguiente)", r"(?i:así\s+que)",
     r"(?i:en\s+total)", r"(?i:таким\s+образом)", r"(?i:следовательно)", r"(?i:поэтому)", r"(?i:итак)",
     r"(?i:значит)", r"وبالتالي", r"لذلك", r"إذن", r"اذن", r"لذا", r"अतः", r"अत:", r"इसलिए",
+    r"इस\s+प्रकार", r"अंततः", r"कुल\s+मिलाकर", r"कुल",
 ]
 _COMMON = {"final": "the final answer is ", "is": "the answer is ", "colon": "Answer",
            "therefore": "Therefore, "}

@@ -29,7 +29,7 @@ _NUMERAL = (r"-?\d{1,3}(?:(?:,| )\d{3})+(?:\.\d+)?(?![\d,])"  # 1,234 / 1 234 56
             r"|-?\d+\s+\d+\s*/\s*\d+"                         # 2 1/2 (a mixed number)
             r"|-?\d+(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 LEAD_NUMBER = re.compile(rf"\s*(?P<num>{_CLOCK}|{_NUMERAL})"
-                          r"(?P<unit>\s*(?:%|\\%|per\s?cent\b|percentage\s+points?\b|pct\b|degrees?\b|°))?")
+                          r"(?P<unit>\s*(?:%|\\%|per\s?cent\b|percentage(?:\s+points?)?\b|pct\b|degrees?\b|°))?")
 #: "is" and its kin ("we get", "gives"); also the copulas and "we get" verbs of French, German,
 #: Spanish, Russian and Arabic ("Le prix est 12,75 €", "Die Summe beträgt 45", "On obtient 12",
 #: "Получаем 45"), whose "answer is" phrases `multilingual` rewrites. Not "son" (Spanish "are",
@@ -76,15 +76,17 @@ def number_words(s: str) -> tuple[str, int] | None:
     return str(value), used
 
 
-#: Words that may stand before a stated value: "is a 25% increase", "is about 3.5 hours".
-_HEDGE_LEAD = re.compile(r"(?i)^\s*(?:a|an|the|about|approximately|roughly|around|exactly|only|just|"
-                         r"precisely|equal to|therefore,?|thus,?|hence,?|then,?|also,?|gleich|égale? à|"
-                         r"igual a)\s+(?=[-\d.])")
+#: Words that may stand before a stated value: "is a 25% increase", "is about 3.5 hours", and
+#: French/Spanish "de" ("est donc de 45 €", read "est Therefore, de 45 €" after `multilingual`).
+_HEDGES = (r"a|an|the|about|approximately|roughly|around|exactly|only|just|precisely|equal to|"
+           r"therefore,?|thus,?|hence,?|then,?|also,?|gleich|égale? à|igual a|de")
+#: A hedge before a number, or before a second hedge and a number ("therefore, de 45").
+_HEDGE_LEAD = re.compile(rf"(?i)^\s*(?:{_HEDGES})\s+(?=[-\d.]|(?:{_HEDGES})\s+[-\d.])")
 
 
 def strip_lead(rest: str) -> str:
-    """`rest` without a leading hedge or connective ("about", "therefore", "also")."""
-    return _HEDGE_LEAD.sub("", rest, count=1)
+    """`rest` without up to two leading hedges or connectives ("about", "therefore", "also")."""
+    return _HEDGE_LEAD.sub("", _HEDGE_LEAD.sub("", rest, count=1), count=1)
 
 
 def prose_value(rest: str) -> str | None:
@@ -92,7 +94,7 @@ def prose_value(rest: str) -> str | None:
     it a value (percent, degrees, a.m./p.m.), dropping the nouns after it ("12 such numbers" ->
     "12", "2 1/2 cups" -> "2 1/2", "twenty-five percent" -> "25%"); other text is kept when it is
     short (four words at most: "Evelyn", "the ellipse"), else there is no answer here."""
-    rest = _HEDGE_LEAD.sub("", rest, count=1)
+    rest = strip_lead(rest)
     m = LEAD_NUMBER.match(rest)
     if m is not None:
         after = rest[m.end():]
@@ -198,11 +200,13 @@ def statement(text: str) -> tuple[int, str] | None:
     if m is None:
         return None
     value = prose_value(text[m.end():m.end() + 200])
+    if value is not None and not numeric(value):
+        value = _percent_subject(text, masked, m.start()) or value
     if value is None or _subject_and_number(value):
         return None  # words and a number ("beträgt die Summe 45"): a subject, not a text answer
     tail = text[m.end():]
-    lead = LEAD_NUMBER.match(_HEDGE_LEAD.sub("", tail, count=1))
-    if runs_on(tail if lead is None else _HEDGE_LEAD.sub("", tail, count=1)[lead.end():]):
+    lead = LEAD_NUMBER.match(strip_lead(tail))
+    if runs_on(tail if lead is None else strip_lead(tail)[lead.end():]):
         return None  # cut off mid-sentence ("the number of ways is 4 times the"): no statement
     end = _SENTENCE_END.search(no_meridiem_dots(tail))
     if end is not None and states_more(tail[end.end():]):
@@ -210,11 +214,25 @@ def statement(text: str) -> tuple[int, str] | None:
     return m.start(), value
 
 
+def _percent_subject(text: str, masked: str, pos: int) -> str | None:
+    """The percentage a sentence's subject names when its "is"/"are" states words ("Therefore,
+    28 percent of the apples are red." answers 28%, not "red"): exactly one number before `pos`
+    in the sentence, and it is a percentage."""
+    start = max((e.end() for e in _SENTENCE_END.finditer(masked, 0, pos)), default=0)
+    numbers = list(_ANY_NUMBER.finditer(masked, start, pos))
+    if len(numbers) != 1:
+        return None
+    value = prose_value(text[numbers[0].start():pos])
+    return value if value and value.endswith("\\%") else None
+
+
 #: A conclusion word at a sentence start, or after a comma or semicolon ("..., so it covers 120
 #: miles."): the clause it opens states the result.
 _CONCLUSION = re.compile(r"(?i)(?:^|(?<=[.!?\n,;]))\s*(?:so|thus|therefore|hence|consequently|in total|"
                          r"in all|altogether|overall|finally|in the end|in conclusion|as a result|"
                          r"ultimately|all in all)\b[ ,]*")
+#: Not `\b`: after `multilingual`, "小明Therefore, 有 15 个" has no boundary before the word.
+_MID_CONCLUSION = re.compile(r"(?i)(?<![A-Za-z])(?:therefore|thus|hence)\b")
 _ANY_NUMBER = re.compile(rf"(?<![\w.])(?:{_CLOCK}|{_NUMERAL})")
 _WORD_START = re.compile(r"(?<![A-Za-z-])[A-Za-z]+")
 
@@ -258,16 +276,23 @@ def conclusion(text: str) -> tuple[int, str] | None:
     masked = mask_math(text)
     matches = list(_CONCLUSION.finditer(masked))
     for m in reversed(matches[-3:]):  # ", in total." may close the sentence that "So" opened
-        stated = _concluded(text, masked, m)
+        stated = _concluded(text, masked, m.start(), m.end())
         if stated is not None:
             return stated
+    # "She therefore has 15 apples.", "Marie a donc 15 pommes." (donc -> therefore): a
+    # conclusion word inside the last sentence makes the whole sentence the concluding clause
+    body = masked.rstrip()
+    start = max((e.end() for e in _SENTENCE_END.finditer(body[:-1])), default=0)
+    if _MID_CONCLUSION.search(body, start):
+        return _concluded(text, masked, start, start)
     return None
 
 
-def _concluded(text: str, masked: str, m: re.Match) -> tuple[int, str] | None:
-    sentence = masked[m.end():]
-    end = _SENTENCE_END.search(no_meridiem_dots(sentence))
-    if end is not None and states_more(sentence[end.end():]):
+def _concluded(text: str, masked: str, at: int, end: int) -> tuple[int, str] | None:
+    """The value of the clause that starts at `end` (its conclusion word at `at`)."""
+    sentence = masked[end:]
+    stop = _SENTENCE_END.search(no_meridiem_dots(sentence))
+    if stop is not None and states_more(sentence[stop.end():]):
         return None  # a later sentence names a value
     if not _SENTENCE_STOP.search(no_meridiem_dots(sentence)):
         return None  # cut off before the sentence ends
@@ -278,8 +303,8 @@ def _concluded(text: str, masked: str, m: re.Match) -> tuple[int, str] | None:
         start = spelled
     else:
         return None  # two numbers: working
-    value = prose_value(text[m.end() + start:m.end() + start + 200])
-    return (m.start(), value) if value and numeric(value) else None
+    value = prose_value(text[end + start:end + start + 200])
+    return (at, value) if value and numeric(value) else None
 
 
 _RESTATE = re.compile(r"(?i)\s*(?:so|thus|therefore|hence|consequently|in total|in all|altogether|"

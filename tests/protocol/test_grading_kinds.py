@@ -1,7 +1,8 @@
-"""The grader on the five kinds of issue 22: final answers in other languages, several boxes that
-form one answer, decimal commas, final answers in prose, notation. One labelled corpus per kind
-(`grading_corpus/<kind>.jsonl`) and the rules one by one, each with the guard that must still
-judge different answers different.
+"""The grader on the kinds of answers its first rules missed: final answers in other languages,
+several boxes that form one answer, decimal commas, final answers in prose, notation; then
+percentages in words, closing prose sentences in Chinese, Hindi and French, and thousands
+separators in braces. One labelled corpus per kind (`grading_corpus/<kind>.jsonl`) and the rules
+one by one, each with the guard that must still judge different answers different.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from protocol.grading.prose import drop_closing
 from protocol.grading.spans import find_boxes, named_answer
 
 CORPUS_DIR = Path(__file__).resolve().parent / "grading_corpus"
-KINDS = ("multilingual", "several_boxes", "decimal_comma", "prose_final", "notation")
+KINDS = ("multilingual", "several_boxes", "decimal_comma", "prose_final", "notation", "percent_words",
+         "prose_languages", "brace_separators")
 TIMEOUT = 10.0
 
 
@@ -211,3 +213,38 @@ def test_notation_equivalences_and_guards():
         ("$\\boxed{[[1, 3], [2, 4]]}$", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"),
     ], timeout=TIMEOUT)
     assert [g.verdict for g in got] == [True, False, True, True, False, False, False, False, True, False]
+
+
+# ---------------------------------------------------------- percent words, closing prose, braces
+
+@pytest.mark.parametrize("text, answer", [
+    ("Therefore, 28 percent of the apples are red.", "28\\%"),     # the subject names the percentage
+    ("So the answer is 28 percentage.", "28\\%"),
+    ("Marie a donc 15 pommes.", "15"),                             # "donc" inside the sentence
+    ("She therefore has 15 apples.", "15"),
+    ("Le prix total est donc de 45 €.", "45"),                     # "est ... de 45"
+    ("小明一共有 15 个苹果。", "15"), ("总共需要 **12** 元。", "12"), ("最后，小明还剩下 7 本书。", "7"),
+    ("उसके पास कुल 15 सेब हैं।", "15"), ("इस प्रकार, कुल लागत **₹250** है।", "250"),
+    ("Finalement, il reste 7 livres.", "7"), ("Elle a donc payé 45 $.", "45"),
+])
+def test_closing_statements_and_percent_words(text, answer):
+    assert extract_answer(text)[0] == answer
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("So 3 of the 4 balls are red.", "red"),              # a number that is no percentage: the words
+    ("Therefore, 20 percent of 50 apples are red.", "red"),  # two numbers in the subject: not read
+    ("Marie a donc 3 pommes et 4 poires.", None),          # two numbers: working, not a result
+    ("小明一共有 3 个苹果和 4 个梨。", None),
+    ("Il a donc fallu attendre.", None),
+])
+def test_closing_statement_guards(text, answer):
+    # after some working (a short output alone is taken whole by the `bare` rule)
+    assert extract_answer("We first count the items one by one.\n\n" + text)[0] == answer
+
+
+def test_percent_words_mark_a_percentage_and_braces_group_digits():
+    got = grade_many([("$\\boxed{28 \\text{ per cent}}$", "0.28"), ("$\\boxed{12\\text{ percentage}}$", "0.12"),
+                      ("$\\boxed{28 \\text{ per cent}}$", "0.27"), ("$\\boxed{1{, }000}$", "1000"),
+                      ("$\\boxed{1{,}00}$", "100"), ("$\\boxed{1{,}234{,}56}$", "123456")], timeout=TIMEOUT)
+    assert [g.verdict for g in got] == [True, True, False, True, False, False]
