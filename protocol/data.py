@@ -12,11 +12,13 @@ The package never needs anything outside itself at run time: the default path is
 AIME (`protocol/resources/aime24.jsonl`, `aime25.jsonl`; source and construction in
 `protocol/resources/README.md`): one row per problem in contest order (I 1..15, II 1..15), fields
 `AIME_FIELDS`, the answer an integer 0..999 written without leading zeros. Each file's sha256 is
-pinned in `AIME_SHA256` and checked on every load. Beside each file, `<name>.provenance.json` records
-per problem the answer keys its answer was checked against, the transcription its text was compared
-with, and every repair made to the text (with where the intact text was read); its `sha256` is the
-file's. `AIME_REPLACED_SHA256` keeps the hashes of copies shipped before a repair, so that a plan or
-manifest naming one can be told what it names.
+pinned in `AIME_SHA256` and checked on every load; a copy from before a text repair
+(`AIME_REPLACED_SHA256`) is named as such.
+
+Beside every shipped file, `<name>.provenance.json` (`provenance_path`) holds the file's sha256 and
+its sources; for an AIME set also, per problem, the answer keys its answer was checked against, the
+transcription its text was compared with, and every repair of the text with where the intact text
+was read. `tests/protocol/test_datasets.py` checks both against the data.
 """
 
 from __future__ import annotations
@@ -209,9 +211,11 @@ def aime_data_path(name: str) -> Path:
     return Path(str(resources.files("protocol") / "resources" / f"{name}.jsonl"))
 
 
-def aime_provenance_path(name: str) -> Path:
-    """Path of the provenance record of AIME dataset `name` (beside its data file)."""
-    return aime_data_path(name).with_name(f"{name}.provenance.json")
+def provenance_path(name: str) -> Path:
+    """Path of the provenance record of dataset `name`, `<name>.provenance.json` beside its shipped
+    copy: sha256 of the data, sources, and for an AIME set the answer keys and repairs per problem."""
+    path = default_data_path() if name == DEFAULT_DATASET else aime_data_path(name)
+    return path.with_name(f"{name}.provenance.json")
 
 
 def load_aime(name: str) -> list[AimeProblem]:

@@ -18,8 +18,8 @@ import pytest
 
 from protocol import data as data_module
 from protocol import prereg
-from protocol.data import (AIME_REPLACED_SHA256, AIME_SHA256, DATASETS, aime_data_path, aime_provenance_path,
-                           check_limit, dataset_size, load_aime, load_dataset, sha256_hex)
+from protocol.data import (AIME_REPLACED_SHA256, AIME_SHA256, DATASET_SHA256, DATASETS, aime_data_path, check_limit,
+                           dataset_size, load_aime, load_dataset, provenance_path, sha256_hex)
 from protocol.errors import ProtocolError
 from protocol.grading.canonical import canonical
 from protocol.grading.normalize import parse
@@ -160,7 +160,14 @@ def test_the_latex_check_accepts_clean_text(text):
 
 
 def _provenance(name: str) -> dict:
-    return json.loads(aime_provenance_path(name).read_text(encoding="utf-8"))
+    return json.loads(provenance_path(name).read_text(encoding="utf-8"))
+
+
+def test_math500_provenance_names_the_frozen_data():
+    prov = _provenance("math500")
+    data = data_module.default_data_path().read_bytes()
+    assert prov["sha256"] == sha256_hex(data) == DATASET_SHA256 and prov["rows"] == dataset_size("math500")
+    assert prov["file"] == data_module.default_data_path().name
 
 
 @pytest.mark.parametrize("name", ["aime24", "aime25"])
