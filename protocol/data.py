@@ -12,7 +12,13 @@ The package never needs anything outside itself at run time: the default path is
 AIME (`protocol/resources/aime24.jsonl`, `aime25.jsonl`; source and construction in
 `protocol/resources/README.md`): one row per problem in contest order (I 1..15, II 1..15), fields
 `AIME_FIELDS`, the answer an integer 0..999 written without leading zeros. Each file's sha256 is
-pinned in `AIME_SHA256` and checked on every load.
+pinned in `AIME_SHA256` and checked on every load; a copy from before a text repair
+(`AIME_REPLACED_SHA256`) is named as such.
+
+Beside every shipped file, `<name>.provenance.json` (`provenance_path`) holds the file's sha256 and
+its sources; for an AIME set also, per problem, the answer keys its answer was checked against, the
+transcription its text was compared with, and every repair of the text with where the intact text
+was read. `tests/protocol/test_datasets.py` checks both against the data.
 """
 
 from __future__ import annotations
@@ -173,8 +179,13 @@ DATASETS = ("math500", "aime24", "aime25")
 DEFAULT_DATASET = "math500"
 AIME_FIELDS = ("unique_id", "problem", "answer", "year", "exam", "number", "url")
 AIME_SHA256 = {
-    "aime24": "a6056ce71c35cbe6bc22d75b814478796efc9ee8fbe7d60d88168ffa13457df8",
-    "aime25": "7544bad47f56b8891bda9096fb8da734547f0e3c8dd95b62faa5fcc20916a674",
+    "aime24": "f0102597295738c468ffce46e9e39e7730bc1df225864216a1758bb2dd78328e",
+    "aime25": "baa2c063abcffdc7fa8ffd6ec87eea5b6d03098a0ce49450de42e70e46566e7b",
+}
+#: Copies shipped before the text repairs of issue 30 (same ids and answers; see the provenance files).
+AIME_REPLACED_SHA256 = {
+    "aime24": ("a6056ce71c35cbe6bc22d75b814478796efc9ee8fbe7d60d88168ffa13457df8",),
+    "aime25": ("7544bad47f56b8891bda9096fb8da734547f0e3c8dd95b62faa5fcc20916a674",),
 }
 AIME_PROBLEMS = 30
 _AIME_TYPES = {"unique_id": str, "problem": str, "answer": str, "year": int, "exam": str, "number": int, "url": str}
@@ -200,6 +211,13 @@ def aime_data_path(name: str) -> Path:
     return Path(str(resources.files("protocol") / "resources" / f"{name}.jsonl"))
 
 
+def provenance_path(name: str) -> Path:
+    """Path of the provenance record of dataset `name`, `<name>.provenance.json` beside its shipped
+    copy: sha256 of the data, sources, and for an AIME set the answer keys and repairs per problem."""
+    path = default_data_path() if name == DEFAULT_DATASET else aime_data_path(name)
+    return path.with_name(f"{name}.provenance.json")
+
+
 def load_aime(name: str) -> list[AimeProblem]:
     """The 30 problems of `name` in contest order, after checking the file's sha256 and every row."""
     path = aime_data_path(name)
@@ -208,6 +226,9 @@ def load_aime(name: str) -> list[AimeProblem]:
     except FileNotFoundError:
         raise ProtocolError(f"{name} data file not found: {path}") from None
     got = sha256_hex(data)
+    if got in AIME_REPLACED_SHA256[name]:
+        raise ProtocolError(f"{path}: sha256 {got} is the {name} copy before its text repairs; this code pins "
+                            f"{AIME_SHA256[name]} (reinstall the package)")
     if got != AIME_SHA256[name]:
         raise ProtocolError(f"{path}: sha256 {got} != pinned {AIME_SHA256[name]} (the shipped {name} copy changed)")
     problems = []
@@ -232,6 +253,21 @@ def load_dataset(name: str = DEFAULT_DATASET, path: str | Path | None = None) ->
     if path is not None:
         raise ProtocolError(f"--data gives a MATH-500 copy; {name} is always the shipped copy")
     return load_aime(name)
+
+
+def dataset_size(name: str) -> int:
+    """Problems in dataset `name` (MATH-500: 500; an AIME set: 30), without loading it."""
+    if name == DEFAULT_DATASET:
+        return N_PROBLEMS
+    if name not in DATASETS:
+        raise ProtocolError(f"unknown dataset {name!r} (expected one of {', '.join(DATASETS)})")
+    return AIME_PROBLEMS
+
+
+def check_limit(name: str, limit: int | None) -> None:
+    """Refuse a `limit` (first N problems) larger than dataset `name`: it would silently run fewer."""
+    if limit is not None and limit > dataset_size(name):
+        raise ProtocolError(f"--limit {limit} is more than the {dataset_size(name)} problems of {name}")
 
 
 def dataset_sha256(path: str | Path | None = None, *, source: Literal["local", "hub"] = "local") -> str:

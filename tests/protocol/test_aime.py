@@ -19,7 +19,8 @@ from protocol.splits import exploration_problems, load_split, manifest_sha256, r
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The official answer keys (MAA), contest I problems 1..15 then contest II problems 1..15.
+# The answer keys (MAA, as transcribed in the keys that protocol/resources/<name>.provenance.json cites),
+# contest I problems 1..15 then contest II problems 1..15.
 KEYS = {
     "aime24": [204, 25, 809, 116, 104, 294, 540, 197, 480, 113, 371, 385, 110, 104, 721,
                73, 236, 45, 33, 80, 55, 699, 127, 902, 468, 601, 23, 321, 211, 315],
