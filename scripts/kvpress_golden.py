@@ -10,14 +10,14 @@ is never imported by the package or the tests:
 Each case builds a tiny seeded random Llama (float32, CPU, sdpa attention), runs one prefill forward
 inside the kvpress press's own context manager (`with press(model): model(ids, past_key_values=...)`)
 and records, per layer, what the press saw and what it decided. Nothing is re-implemented here:
-* the press's `score` (and SnapKV's `compute_window_attention`) and `compress` are wrapped on the
-  press instance to record their inputs and outputs, then call the originals unchanged;
+* the press's `compress`, its scorer's `score` and SnapKV's `compute_window_attention` are wrapped on
+  the instances, and SnapKV's module-level `get_prerope_query_states` for the duration of the forward,
+  to record inputs and outputs; the originals run unchanged;
 * PyramidKV's kept slots are recovered by matching the compressed cache's key rows with the input
   key rows (all rows are distinct), in the order the reference stores them;
 * AdaKV's kept slots are the complement of the `module.masked_key_indices` it sets, and its
   safeguarded slots are read from the score tensor it overwrites in place with finfo.max.
-A few checks recompute a top-k from the recorded scores (said so in each sidecar's `checks`); they
-are assertions on the recorded data, not its source.
+A few `checks` recompute a top-k from the recorded scores: assertions on the data, not its source.
 
 Outputs `<press>_case<K>.safetensors` + `<press>_case<K>.json` (format: retention/data/golden/README.md).
 """
@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import kvpress
+import kvpress.presses.snapkv_press as snapkv_module
 from kvpress import AdaKVPress, KnormPress, PyramidKVPress, SnapKVPress
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +83,18 @@ class AdaCase:
     note: str = ""
 
 
+WINDOW_DOC = {
+    "window_queries_prerope": "get_prerope_query_states output inside compute_window_attention (recorded): q_proj of "
+                              "the last w hidden states, before RoPE [L,1,Hq,w,d]",
+    "window_cos": "position_embeddings[0][:, -w:] the press rotates those queries with (recorded) [L,1,w,d]",
+    "window_sin": "position_embeddings[1][:, -w:] (recorded) [L,1,w,d]; post-RoPE q = q cos + rotate_half(q) sin",
+    "window_attn": "SnapKVPress.compute_window_attention output (recorded): softmax over all n keys of the last w "
+                   "post-RoPE queries (causal inside the window), float32, sliced to the first n-w keys [L,1,Hq,w,n-w]",
+}
+SNAPKV_SCORES_DOC = ("SnapKVPress.score output (recorded): window_attn mean over the w queries, avg_pool1d(kernel, "
+                     "stride 1, padding kernel//2, zero padding counted), mean over the Hq/G query heads of each KV "
+                     "head, then the w window slots padded with (max over that layer's heads and slots) + 1 [L,1,G,n]")
+
 CASES = (
     PyramidCase("pyramidkv_case0", ModelSpec(4, 4, 2, 16, 48, 7000), 0.5, 4, 5, 20,
                 "pyramid clipped at the top: max_num reaches n - window"),
@@ -97,10 +110,6 @@ CASES = (
             note="AdaKV over key-norm scores; KV head 1 has 3x larger keys, so the safeguard binds there"),
 )
 
-
-# --------------------------------------------------------------------------------------------
-# Model and capture
-# --------------------------------------------------------------------------------------------
 
 def build_model(spec: ModelSpec) -> tuple[LlamaForCausalLM, torch.Tensor]:
     """A seeded tiny Llama and its prefill ids [1, n]."""
@@ -119,9 +128,10 @@ def build_model(spec: ModelSpec) -> tuple[LlamaForCausalLM, torch.Tensor]:
     return model, ids
 
 
-def record(press, scorer, rec: dict) -> None:
-    """Wrap press.compress, scorer.score (and SnapKV's window attention) on the instances; each
-    call appends its tensors to rec[name][layer_idx]."""
+def record(press, scorer, rec: dict):
+    """Wrap press.compress, scorer.score (and SnapKV's window attention and query projection); each
+    call stores its tensors in rec[name][layer_idx]. Returns the function that undoes the one
+    module-level wrap (the instance wraps die with the press)."""
     orig_compress, orig_score = press.compress, scorer.score
 
     def compress(module, hidden_states, keys, values, attentions, kwargs):
@@ -138,29 +148,51 @@ def record(press, scorer, rec: dict) -> None:
         return s
 
     press.compress, scorer.score = compress, score
-    if isinstance(scorer, SnapKVPress):
-        orig_window = scorer.compute_window_attention
+    if not isinstance(scorer, SnapKVPress):
+        return lambda: None
+    orig_queries, orig_window = snapkv_module.get_prerope_query_states, scorer.compute_window_attention
 
-        def window(module, hidden_states, keys, window_size, position_embeddings):
-            a = orig_window(module, hidden_states, keys, window_size, position_embeddings)
-            rec.setdefault("window_attn", {})[module.layer_idx] = a.detach().clone()
-            return a
+    def queries(module, hidden_states):
+        q = orig_queries(module, hidden_states)
+        rec.setdefault("window_queries_prerope", {})[module.layer_idx] = q.detach().clone()
+        return q
 
-        scorer.compute_window_attention = window
+    def window(module, hidden_states, keys, window_size, position_embeddings):
+        a = orig_window(module, hidden_states, keys, window_size, position_embeddings)
+        rec.setdefault("window_attn", {})[module.layer_idx] = a.detach().clone()
+        cos, sin = position_embeddings  # [1, n, d]: the RoPE tables the press rotates the queries with
+        rec.setdefault("window_cos", {})[module.layer_idx] = cos[:, -window_size:].detach().clone()
+        rec.setdefault("window_sin", {})[module.layer_idx] = sin[:, -window_size:].detach().clone()
+        return a
+
+    scorer.compute_window_attention = window
+    snapkv_module.get_prerope_query_states = queries  # a module-level name: undone after the forward
+    return lambda: setattr(snapkv_module, "get_prerope_query_states", orig_queries)
 
 
 def run_press(press, scorer, spec: ModelSpec) -> tuple[dict, torch.Tensor]:
     model, ids = build_model(spec)
     rec: dict = {}
-    record(press, scorer, rec)
-    with torch.no_grad(), press(model):
-        model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    restore = record(press, scorer, rec)
+    try:
+        with torch.no_grad(), press(model):
+            model(ids, past_key_values=DynamicCache(config=model.config), use_cache=True)
+    finally:
+        restore()
     assert sorted(rec["keys"]) == list(range(spec.layers)), "the press did not run on every layer"
     return rec, ids
 
 
-def stack(rec: dict, name: str) -> torch.Tensor:
+def stack(rec: dict, name: str) -> torch.Tensor:  # per-layer records -> one tensor [L, ...]
     return torch.stack([rec[name][i] for i in sorted(rec[name])])
+
+
+def window_tensors(rec: dict) -> dict:
+    """SnapKV's observation window: pre-RoPE queries [L,1,Hq,w,d], the RoPE tables it rotates them
+    with [L,1,w,d] and the attention it computes [L,1,Hq,w,n-w] (empty for a scorer without one)."""
+    if "window_attn" not in rec:
+        return {}
+    return {k: stack(rec, k) for k in ("window_queries_prerope", "window_cos", "window_sin", "window_attn")}
 
 
 def match_rows(inp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -178,16 +210,10 @@ def padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
 
 
 def boundary(sorted_desc: torch.Tensor, k: int) -> dict:
-    """Margin between the k-th and (k+1)-th largest of one row of scores (descending)."""
-    if k >= sorted_desc.numel():
-        return {"kth_value": float(sorted_desc[-1]), "next_value": None, "margin": None, "boundary_tie": False}
+    """The k-th and (k+1)-th largest of one row of scores (descending) and their margin."""
     kth, nxt = float(sorted_desc[k - 1]), float(sorted_desc[k])
     return {"kth_value": kth, "next_value": nxt, "margin": kth - nxt, "boundary_tie": kth == nxt}
 
-
-# --------------------------------------------------------------------------------------------
-# The two presses
-# --------------------------------------------------------------------------------------------
 
 def pyramid(case: PyramidCase) -> tuple[dict, dict, dict]:
     spec = case.model
@@ -214,8 +240,8 @@ def pyramid(case: PyramidCase) -> tuple[dict, dict, dict]:
     keep_mask = torch.zeros(L, G, n, dtype=torch.uint8)
     for i in range(L):
         keep_mask[i].scatter_(-1, keep_ref[i], 1)
-    tensors = {"input_ids": ids, "keys": stack(rec, "keys"), "window_attn": stack(rec, "window_attn"),
-               "scores": scores, "layer_budget": torch.tensor(budgets, dtype=torch.long),
+    tensors = {"input_ids": ids, "keys": stack(rec, "keys"), "scores": scores,
+               **window_tensors(rec), "layer_budget": torch.tensor(budgets, dtype=torch.long),
                "keep_sorted": keep_sorted, "keep_ref_order": keep_order, "keep_mask": keep_mask}
     params = {"num_layers": L, "num_query_heads": spec.q_heads, "num_kv_heads": G, "head_dim": spec.head_dim,
               "n": n, "compression_ratio": case.compression_ratio, "window_size": w,
@@ -223,11 +249,7 @@ def pyramid(case: PyramidCase) -> tuple[dict, dict, dict]:
               "branch": pyramid_branch(budgets, n, w)}
     derivation = {
         "keys": "keys the press's compress received for each layer (post-RoPE prefill cache) [L,1,G,n,d]",
-        "window_attn": "SnapKVPress.compute_window_attention output (recorded): softmax over all n keys of the last "
-                       "w post-RoPE queries (causal inside the window), float32, sliced to the first n-w keys [L,1,Hq,w,n-w]",
-        "scores": "SnapKVPress.score output (recorded): window_attn mean over the w queries, avg_pool1d(kernel, "
-                  "stride 1, padding kernel//2, zero padding counted), mean over the Hq/G query heads of each KV "
-                  "head, then the w window slots padded with (max over the whole tensor) + 1 [L,1,G,n]",
+        **WINDOW_DOC, "scores": SNAPKV_SCORES_DOC,
         "layer_budget": "PyramidKVPress.get_layer_budget(module, n) per layer (called on the recorded modules); "
                         "equals the kept count per head of that layer, window included",
         "keep_ref_order": "slots of the compressed cache rows in stored order (topk order: descending score, "
@@ -288,19 +310,17 @@ def ada(case: AdaCase) -> tuple[dict, dict, dict]:
     tensors = {"input_ids": ids, "keys": stack(rec, "keys"), "scores": scores,
                "safeguarded_scores": live.clone(), "safeguard_mask": safe_mask, "keep_mask": keep_mask,
                "keep_count": counts, "keep_sorted": keep_sorted, "pruned_flat_ref_order": torch.stack(pruned_flat)}
-    if "window_attn" in rec:
-        tensors["window_attn"] = stack(rec, "window_attn")
+    tensors.update(window_tensors(rec))
     params = {"num_layers": L, "num_query_heads": spec.q_heads, "num_kv_heads": G, "head_dim": spec.head_dim,
               "n": n, "scorer": case.scorer, "compression_ratio": case.compression_ratio,
               "alpha_safeguard": case.alpha_safeguard, "n_kept": n_kept, "n_safe": n_safe,
               "n_pruned_per_layer": G * (n - n_kept), "pad_value": PAD, "dtype": "float32"}
     if case.scorer == "snapkv":
         params.update(window_size=case.window_size, kernel_size=case.kernel_size)
-    scorer_doc = ("SnapKVPress.score output (recorded), as in pyramidkv: window padded with max+1" if case.scorer == "snapkv"
-                  else "KnormPress.score output (recorded): minus the L2 norm of each key, float32")
+    scorer_doc = SNAPKV_SCORES_DOC if case.scorer == "snapkv" else "KnormPress.score output (recorded): minus the L2 norm of each key, float32"
     derivation = {
         "keys": "keys the press's compress received for each layer (post-RoPE prefill cache) [L,1,G,n,d]",
-        "scores": scorer_doc + "; before AdaKV's safeguard [L,1,G,n]",
+        "scores": scorer_doc + "; before AdaKV's safeguard",
         "safeguarded_scores": "the same tensor after AdaKV wrote finfo(float32).max into each head's top n_safe slots "
                               "(recorded: AdaKV scatters in place into the tensor score returned)",
         "safeguard_mask": "1 where safeguarded_scores == finfo(float32).max [L,G,n]",
@@ -310,14 +330,10 @@ def ada(case: AdaCase) -> tuple[dict, dict, dict]:
         "pruned_flat_ref_order": "masked (head * n + slot) in the order AdaKV's topk of -scores returned them [L,G*(n-n_kept)]",
     }
     if "window_attn" in tensors:
-        derivation["window_attn"] = "SnapKVPress.compute_window_attention output (recorded) [L,1,Hq,w,n-w]"
+        derivation.update(WINDOW_DOC)
     files = ["presses/adakv_press.py", f"presses/{case.scorer}_press.py", "presses/base_press.py", "utils.py"]
     return tensors, params, {"derivation": derivation, "checks": checks, "files": files}
 
-
-# --------------------------------------------------------------------------------------------
-# Provenance and writing
-# --------------------------------------------------------------------------------------------
 
 # kvpress source files used and the symbols of each that a case runs.
 REFERENCE = {
@@ -355,10 +371,10 @@ def write_case(case, out_dir: Path) -> str:
             "reference": provenance(extra["files"]),
             "environment": {"python": platform.python_version(), "torch": torch.__version__,
                             "transformers": md.version("transformers"), "kvpress": md.version("kvpress")},
-            "how_run": f"with {type_name(press)}(...)(model): model(input_ids, past_key_values=DynamicCache()) -- one "
+            "how_run": f"with {type(case).__name__.replace('Case', '')}KVPress(...)(model): model(input_ids, past_key_values=DynamicCache()) -- one "
                        "prefill forward of the seeded model, float32 CPU, inside the press's own context manager. "
-                       "The press's compress and its scorer's score (and SnapKV's compute_window_attention) were "
-                       "wrapped on the instance to record inputs and outputs; the originals ran unchanged.",
+                       "The press's compress and its scorer's score (and SnapKV's compute_window_attention and "
+                       "get_prerope_query_states) were wrapped to record inputs and outputs; the originals ran unchanged.",
             "derivation": extra["derivation"], "checks": extra["checks"],
             "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")} for k, v in tensors.items()}}
     (out_dir / f"{case.name}.json").write_text(json.dumps(side, indent=1) + "\n")
@@ -366,10 +382,6 @@ def write_case(case, out_dir: Path) -> str:
     return f"{case.name}: " + (f"layer budgets {tensors['layer_budget'].tolist()}" if press == "pyramidkv" else
                                f"kept per head {tensors['keep_count'].tolist()} (n_kept {params['n_kept']}, "
                                f"n_safe {params['n_safe']})")
-
-
-def type_name(press: str) -> str:
-    return {"pyramidkv": "PyramidKVPress", "adakv": "AdaKVPress"}[press]
 
 
 def main() -> None:
