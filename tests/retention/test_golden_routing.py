@@ -1,6 +1,6 @@
 """The shipped routing golden vectors (PyramidKV, AdaKV from kvpress) are well-formed and self-consistent.
 
-These tests read only the files (format: retention/data/golden/README.md, section 5 and 6); checking this
+These tests read only the files (format: retention/data/golden/README.md, section 5); checking this
 project's routing against them is `retention conformance`'s job. Each rule is also shown to fail on a
 damaged copy, so a file that passes really has the stated structure.
 """
