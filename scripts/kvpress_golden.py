@@ -386,7 +386,7 @@ def write_case(case, out_dir: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "retention" / "data" / "golden")
+    ap.add_argument("--out", type=Path, default=ROOT / "retention" / "data" / "golden" / "routing")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for case in CASES:

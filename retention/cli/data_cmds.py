@@ -59,6 +59,22 @@ def _read_records(path: Path) -> list[tuple[int, dict]]:
     return records
 
 
+def _problem_texts(records: list[tuple[int, dict]], data: Path | None) -> list[str | None]:
+    """Each record's problem text (its own `problem`, else the MATH-500 problem of its `problem_id`;
+    None when neither is known): the grader reads a multiple-choice problem's options from it."""
+    from protocol.splits import problems_by_id
+
+    by_id = problems_by_id(data) if any(isinstance(r.get("problem_id"), str) for _, r in records) else {}
+    out = []
+    for _, rec in records:
+        text = rec.get("problem")
+        if not isinstance(text, str):
+            p = by_id.get(rec.get("problem_id")) if isinstance(rec.get("problem_id"), str) else None
+            text = p.problem if p is not None else None
+        out.append(text)
+    return out
+
+
 def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> list[tuple]:
     by_id = None
     pairs = []
@@ -165,7 +181,7 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
             raise ProtocolError("math-verify is not installed: pip install 'retention[mathverify]'")
     records = _read_records(file)
     pairs = _pairs(file, records, data)
-    grades = grade_many(pairs, timeout=timeout, workers=workers)
+    grades = grade_many(pairs, timeout=timeout, workers=workers, problems=_problem_texts(records, data))
     opinions = _second_opinions(pairs, compare, timeout, workers) if compare else None
     lines, differ = [], []
     for k, ((n, rec), g) in enumerate(zip(records, grades)):

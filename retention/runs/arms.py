@@ -11,7 +11,8 @@ import hashlib
 import math
 from pathlib import Path
 
-from protocol.data import DATASETS
+from protocol.data import DATASETS, check_limit
+from protocol.errors import ProtocolError
 from protocol.prereg import ARMS, arm_config
 
 from retention.errors import RetentionError
@@ -280,6 +281,11 @@ def validate_arm(cfg: dict):
                              f"out), got {cfg.get('dataset')!r}")
     if cfg.get("dataset") is not None and cfg.get("data") is not None:
         raise RetentionError(f"--data gives a MATH-500 copy; {cfg['dataset']} is always the shipped copy")
+    if cfg.get("dataset") is not None:  # an AIME set: a limit above its 30 problems would silently run 30
+        try:
+            check_limit(cfg["dataset"], cfg.get("limit"))
+        except ProtocolError as exc:
+            raise RetentionError(str(exc)) from None
     for key in ("fidelity", "ignore_eos"):
         if not isinstance(cfg.get(key, False), bool):
             raise RetentionError(f"{key} must be true or false, got {cfg.get(key)!r}")

@@ -277,7 +277,7 @@ def auto_batch_size(loaded, cadence, max_new_tokens: int, prompt_tokens: int = 5
 
 def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, prompt_tokens: int,
                 token_ids: list[int], text: str, finish_reason: str, meter, cadence, wall_seconds: float,
-                batch_size: int, gold, grader=None, fidelity=None) -> dict:
+                batch_size: int, gold, grader=None, fidelity=None, problem: str | None = None) -> dict:
     """One record of the schema in docs/records.md; every engine writes its records through this."""
     record = {
         "config_hash": config_hash,
@@ -300,7 +300,7 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
     if fidelity is not None:
         record["fidelity"] = fidelity.summary()
     if grader is not None and gold is not None:
-        gr = grader(text, gold)
+        gr = grader(text, gold, problem=problem)  # the problem text lists a multiple-choice problem's options
         record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
     else:
         record.update(extracted=None, verdict=None, reason=None, rule=None)
@@ -314,7 +314,8 @@ def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, b
                        prompt_tokens=len(prompt), token_ids=g.token_ids,
                        text=output_text(tok, prompt, g.token_ids), finish_reason=g.finish_reason,
                        meter=g.meter, cadence=arm.spec.cadence, wall_seconds=g.wall_seconds, batch_size=batch_size,
-                       gold=getattr(p, "answer", None), grader=grader, fidelity=g.fidelity)
+                       gold=getattr(p, "answer", None), grader=grader, fidelity=g.fidelity,
+                       problem=getattr(p, "problem", None))
 
 
 def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,

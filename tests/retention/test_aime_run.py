@@ -85,3 +85,10 @@ def test_confirm_runner_runs_the_whole_aime_set_as_confirm(tmp_path):
     ids = [json.loads(line)["problem_id"] for line in (run_dir / "records.jsonl").read_text().splitlines()]
     assert ids == ["2024-I-1", "2024-I-2", "2024-I-3"]
     assert explored("aime24") == []  # a confirmation is not an exploration
+
+
+def test_a_limit_above_an_aime_set_is_refused(tmp_path):
+    """AIME years have 30 problems: --limit 100 would silently run 30."""
+    res = _run("--dataset", "aime24", "--limit", "100", "--max-new-tokens", "4", "--out", str(tmp_path))
+    assert res.exit_code == 1 and "--limit 100 is more than the 30 problems of aime24" in res.output
+    assert not any(tmp_path.iterdir())

@@ -108,3 +108,23 @@ def test_another_configuration_shows_where_the_hashes_differ(tmp_path):
     with pytest.raises(RetentionError) as err:
         RunDir(run.path, CONFIG)
     assert f"config_hash {theirs[:16]}, this run is {ours[:16]}" in str(err.value)
+
+
+def test_records_are_graded_with_their_problem_text():
+    """A multiple-choice gold (C) is matched by its option's content and never by the variable c: the
+    record writer hands the grader the problem, whose options it reads."""
+    from protocol.grading import grade
+    from retention.runs.runner import make_record
+    from retention.runtime.cadence import Cadence
+    from retention.runtime.meter import BudgetMeter
+
+    problem = "Which shape is described by z = c? (A) Line (B) Circle (C) Plane (D) Sphere"
+
+    def verdict(text):
+        return make_record(config_hash="x", problem_id="p", sample=0, seed=0, prompt_tokens=1, token_ids=[1],
+                           text=text, finish_reason="eos", meter=BudgetMeter(1.0), cadence=Cadence(None, 1),
+                           wall_seconds=1.0, batch_size=1, gold="\\text{(C)}", grader=grade,
+                           problem=problem)["verdict"]
+
+    assert verdict("It is a plane: \\boxed{\\text{Plane}}") is True
+    assert verdict("It is a line, so \\boxed{c}") is False

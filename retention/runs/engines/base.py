@@ -56,7 +56,7 @@ def full_cache_meter(prompt_tokens: int, output_tokens: int, kib_per_token: floa
 
 
 def build_record(c: Completion, *, config_hash: str, text: str, gold, cadence, kib_per_token: float,
-                 batch_size: int, grader=None) -> tuple[dict, tuple[list[int], list[float]]]:
+                 batch_size: int, grader=None, problem: str | None = None) -> tuple[dict, tuple[list[int], list[float]]]:
     """The record of one completion (`retention.runs.runner.make_record`) and its cache trace."""
     from retention.runs.runner import make_record
 
@@ -64,7 +64,8 @@ def build_record(c: Completion, *, config_hash: str, text: str, gold, cadence, k
     record = make_record(config_hash=config_hash, problem_id=c.request.problem_id, sample=c.request.sample,
                          seed=c.request.seed, prompt_tokens=len(c.request.prompt_ids), token_ids=c.token_ids,
                          text=text, finish_reason=c.finish_reason, meter=meter, cadence=cadence,
-                         wall_seconds=c.wall_seconds, batch_size=batch_size, gold=gold, grader=grader)
+                         wall_seconds=c.wall_seconds, batch_size=batch_size, gold=gold, grader=grader,
+                         problem=problem)
     return record, meter.trace()
 
 
@@ -95,6 +96,7 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
         from protocol.grading import grade as grader
     pairs = [(problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)]
     gold = {p.unique_id: getattr(p, "answer", None) for p, _ in pairs}
+    text_of = {p.unique_id: getattr(p, "problem", None) for p, _ in pairs}
     prompts: dict[str, list[int]] = {}
     bar = tqdm(total=len(pairs) * len(arms), disable=not progress, unit="gen", dynamic_ncols=True)
     for arm in arms:
@@ -114,7 +116,7 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
                 record, (steps, tokens) = build_record(c, config_hash=arm.run.hash, text=text,
                                                        gold=gold[c.request.problem_id], cadence=arm.spec.cadence,
                                                        kib_per_token=kib_per_token, batch_size=batch,
-                                                       grader=grader)
+                                                       grader=grader, problem=text_of[c.request.problem_id])
                 arm.run.append_trace(c.request.problem_id, c.request.sample, steps, tokens)
                 arm.run.records.append(record)
                 bar.update(1)
