@@ -6,7 +6,11 @@ hash, so neither `--out`, the working directory nor the plan file's name or loca
 one confirmation per *cell identity* (`protocol.plans.cell_identity`: what is compared, not the
 plan's seed, note or k) across plans: `<state>/cells/<cell key>.jsonl` lists every attempt on the
 cell, `{"plan_hash", "cell_id", "status": "started" | "confirmed", "at", "out_dir", "supersedes",
-"reason"}`, chained under the registry's cell key (`<state>/cells/key`).
+"reason"}`, chained under the registry's cell key (`<state>/cells/key`). The set of cells is
+covered too: `<state>/cells/index.jsonl`, a chain under the same key, lists every cell key, and
+its first line is written before any cell file exists. A cell file deleted with its head (or an
+index deleted while cell files remain) is refused as registry damage, never read as "no attempts";
+a cell file the index lacks (a kill between the two appends) is added to it.
 
 Each registered plan has a folder `<state>/plans/<plan hash>/` holding
 
@@ -40,6 +44,7 @@ from protocol.io import (append_line, canonical_json, ensure_dir, exclusive_lock
                          load_json_object, read_jsonl, write_atomic)
 
 STATE_ENV = "RETENTION_STATE_DIR"
+INDEX_NAME = "index.jsonl"  # the registry's index of cells, in <state>/cells/
 GENESIS = "0" * 64
 
 
@@ -216,17 +221,53 @@ class Registry:
             key = _create_key(ensure_dir(path.parent, "registry folder"), "register cells")
         return HashChain(path, key)
 
+    def _index(self, key: bytes) -> HashChain:
+        return HashChain(self.root / "cells" / INDEX_NAME, key)
+
+    def _listed(self, key: bytes, *, create: bool) -> set[str]:
+        """The cell keys of the registry's cell index (verified). A missing index is damage when any
+        cell file exists (the index is started before the first one); else, with `create`, it is
+        started (`{"kind": "index"}`)."""
+        index = self._index(key)
+        with _blocking_lock(index.path.with_name(INDEX_NAME + ".lock")):
+            if not (index.path.exists() or index.head_path.exists()):
+                cells = [p.name for p in index.path.parent.glob("*.jsonl") if p.name != INDEX_NAME]
+                if cells:
+                    raise ProtocolError(f"{index.path} is missing but {len(cells)} cell record(s) exist "
+                                        "(registry damaged: the index of cells was deleted)")
+                if create:
+                    index.append({"kind": "index"})
+            return {e.get("cell_key") for e in index.entries() if e.get("kind") == "cell"}
+
+    def _list_cell(self, key: bytes, cell_key: str) -> None:
+        """Add a cell key to the index (a no-op when it is there)."""
+        index = self._index(key)
+        with _blocking_lock(index.path.with_name(INDEX_NAME + ".lock")):
+            if not any(e.get("cell_key") == cell_key for e in index.entries()):
+                index.append({"kind": "cell", "cell_key": cell_key})
+
+    def _check_present(self, chain: HashChain, cell_key: str, listed: set[str]) -> None:
+        if cell_key in listed and not (chain.path.exists() or chain.head_path.exists()):
+            raise ProtocolError(f"{chain.path} is missing but the registry's index of cells lists it "
+                                "(registry damaged: a cell record was deleted)")
+
     def cell_attempts(self, cell_key: str) -> list[dict]:
         """Every recorded attempt on the cell, oldest first (verified chain), each exactly
         {"plan_hash", "cell_id", "status": "started" | "confirmed", "at", "out_dir",
-        "supersedes": [plan hashes] or None, "reason": str or None}."""
+        "supersedes": [plan hashes] or None, "reason": str or None}. A deleted cell record (the
+        index lists it) is refused (`ProtocolError`)."""
         chain = self._cell_chain(cell_key, create=False)
         if chain is None:
             return []
+        listed = self._listed(chain.key, create=False)
+        self._check_present(chain, cell_key, listed)
         # Under the writers' lock: reading completes an interrupted append, which must not race
         # with a writer finishing its own.
         with _blocking_lock(chain.path.with_name(chain.path.name + ".lock")):
-            return [{f: e.get(f) for f in ATTEMPT_FIELDS} for e in chain.entries()]
+            entries = chain.entries()
+        if entries and cell_key not in listed:  # killed between the cell's first line and the index
+            self._list_cell(chain.key, cell_key)
+        return [{f: e.get(f) for f in ATTEMPT_FIELDS} for e in entries]
 
     def record_attempt(self, cell_key: str, *, plan_hash: str, cell_id: str, status: str,
                        out_dir: str, supersedes: list[str] | None = None,
@@ -235,21 +276,26 @@ class Registry:
         folder), "confirmed" once per (plan, cell). Returns the new attempt, or None.
 
         Shards of one confirmation write here at once, so the check and the append hold a
-        (blocking, short) lock on the cell's file."""
+        (blocking, short) lock on the cell's file. A cell record the index lists but that is
+        missing is refused: recreating it would forget the attempts it held."""
         if status not in ("started", "confirmed"):
             raise ProtocolError(f"unknown attempt status {status!r}")
         chain = self._cell_chain(cell_key, create=True)
+        listed = self._listed(chain.key, create=True)  # the index exists before any cell file
+        self._check_present(chain, cell_key, listed)
         with _blocking_lock(chain.path.with_name(chain.path.name + ".lock")):
-            for a in chain.entries():
-                if (a.get("plan_hash"), a.get("cell_id"), a.get("status")) == (plan_hash, cell_id, status) \
-                        and (status == "confirmed" or a.get("out_dir") == out_dir):
-                    return None
-            attempt = {"plan_hash": plan_hash, "cell_id": cell_id, "status": status,
-                       "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                       "out_dir": out_dir, "supersedes": list(supersedes) if supersedes else None,
-                       "reason": reason}
-            chain.append(attempt)
-            return attempt
+            attempt = None
+            entries = chain.entries()
+            if not any((a.get("plan_hash"), a.get("cell_id"), a.get("status")) == (plan_hash, cell_id, status)
+                       and (status == "confirmed" or a.get("out_dir") == out_dir) for a in entries):
+                attempt = {"plan_hash": plan_hash, "cell_id": cell_id, "status": status,
+                           "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                           "out_dir": out_dir, "supersedes": list(supersedes) if supersedes else None,
+                           "reason": reason}
+                chain.append(attempt)
+        if cell_key not in listed:
+            self._list_cell(chain.key, cell_key)
+        return attempt
 
 
 # Fields of one attempt on a cell (`Registry.cell_attempts`).
