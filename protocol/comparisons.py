@@ -57,11 +57,37 @@ def _cell_name(cell) -> str:
     return f"cell {cell[0]} / budget {'full' if cell[1] is None else cell[1]} / split {cell[2]}"
 
 
+def _plan_pairs(runs: list[Run], ref: Run, named: bool) -> list[tuple[Run, Run]]:
+    """The (treatment, baseline) pairs a plan registered, from the runs' confirm.json sidecars:
+    per (plan, cell), its treatment run with its baseline run. With a named baseline, only the
+    plans whose baseline is of that arm (a swapped comparison is formed, and reported, as such)."""
+    arms: dict = {}
+    for run in runs:
+        side = run.confirm or {}
+        if side.get("plan_hash") and side.get("plan_hash") == run.plan_hash and side.get("arm") in ("treatment", "baseline"):
+            arms.setdefault((side["plan_hash"], side.get("cell_id")), {}).setdefault(side["arm"], []).append(run)
+    pairs = []
+    for found in arms.values():
+        (t, *more_t), (b, *more_b) = found.get("treatment") or [None], found.get("baseline") or [None]
+        if t is None or b is None or more_t or more_b:
+            continue  # left to the ordinary rule (within the plan)
+        if not named or b.arm_signature == ref.arm_signature:
+            pairs.append((t, b))
+    return pairs
+
+
+def _plan_name(h) -> str:
+    return f"plan {h[:12]}" if h else "runs of no plan"
+
+
 def plan_comparisons(runs: list[Run], baseline: str | None = None) -> tuple[list, list]:
     """Pairs (treatment, baseline) per cell, and notes about cells without a baseline run.
 
-    A run without a budget (`full`, no eviction) is a reference for every budget of its model and
-    split: it joins each of those cells as a possible baseline and is never a treatment there.
+    Within a cell, the pairs each plan registered come first (`_plan_pairs`); the other runs pair
+    with a baseline run of their own plan (or, for runs of no plan, of no plan): a cross-plan pair
+    is never formed, and a run left without one is noted. A run without a budget (`full`, no
+    eviction) is a reference for every budget of its model and split: it joins each of those
+    cells as a possible baseline and is never a treatment there.
     """
     ref = match_baseline(runs, baseline)
     budgeted = {(r.model, r.split) for r in runs if r.budget is not None}
@@ -73,28 +99,55 @@ def plan_comparisons(runs: list[Run], baseline: str | None = None) -> tuple[list
     pairs, notes = [], []
     models = list(dict.fromkeys(r.model for r in runs))
     for key in sorted(cells, key=lambda c: (models.index(c[0]), budget_key(c[1]), str(c[2]))):
-        members = cells[key] + [r for r in unbudgeted if (r.model, r.split) == (key[0], key[2])]
-        bases = ([r for r in members if r.signature == ref.signature]
-                 or [r for r in members if r.arm_signature == ref.arm_signature])
-        if not bases:
-            elsewhere = sorted({str(r.split) for r in runs if (r.model, r.budget) == key[:2]
-                                and r.split != key[2] and r.arm_signature == ref.arm_signature})
-            why = (f"the {ref.label} baseline ran on split {', '.join(elsewhere)}: different splits"
-                   if elsewhere else f"no {ref.label} baseline run")
-            notes.append(f"{_cell_name(key)}: {why}; not compared")
-            continue
-        for acct in {b.accounting for b in bases}:
-            same = {b.signature for b in bases if b.accounting == acct}
-            if len(same) > 1:
-                raise ProtocolError(f"{_cell_name(key)}: several {ref.label} runs with different calibration "
-                                    f"statistics ({acct} accounting); name the baseline run with --baseline")
-        bases.sort(key=lambda r: r.accounting != "mean")  # a `mean` run is the default partner
-        for run in sorted(cells[key], key=lambda r: (r.label, r.accounting != "mean", r.accounting)):
-            if run in bases:
-                continue
-            partner = next((b for b in bases if b.accounting == run.accounting), bases[0])
-            pairs.append((run, partner))
+        planned = _plan_pairs(cells[key], ref, baseline is not None)
+        taken = {id(r) for pair in planned for r in pair}
+        members = [r for r in cells[key] + [r for r in unbudgeted if (r.model, r.split) == (key[0], key[2])]
+                   if id(r) not in taken]
+        cell_pairs = list(planned)
+        by_plan: dict = {}
+        for run in members:
+            by_plan.setdefault(run.plan_hash, []).append(run)
+        for h, group in by_plan.items():
+            found, note = _pairs_of_group(key, group, ref, runs)
+            cell_pairs += found
+            if note and (planned or any(_bases(g, ref) for g in by_plan.values())):
+                note = (f"{_cell_name(key)}: {_plan_name(h)} has no {ref.label} baseline run of its own "
+                        "here; not compared (a cross-plan pair is never formed)")
+            if note:
+                notes.append(note)
+        cell_pairs.sort(key=lambda p: (p[0].label, p[0].accounting != "mean", p[0].accounting,
+                                       str(p[0].plan_hash or "")))
+        pairs += cell_pairs
     return pairs, notes
+
+
+def _bases(members: list[Run], ref: Run) -> list[Run]:
+    return ([r for r in members if r.signature == ref.signature]
+            or [r for r in members if r.arm_signature == ref.arm_signature])
+
+
+def _pairs_of_group(key, members: list[Run], ref: Run, runs: list[Run]) -> tuple[list, str | None]:
+    """Pairs within one plan's runs of a cell (or runs of no plan): each treatment with the
+    baseline run of its accounting mode (else the `mean` one). Returns (pairs, note or None)."""
+    bases = _bases(members, ref)
+    if not bases:
+        elsewhere = sorted({str(r.split) for r in runs if (r.model, r.budget) == key[:2]
+                            and r.split != key[2] and r.arm_signature == ref.arm_signature})
+        why = (f"the {ref.label} baseline ran on split {', '.join(elsewhere)}: different splits"
+               if elsewhere else f"no {ref.label} baseline run")
+        return [], f"{_cell_name(key)}: {why}; not compared"
+    for acct in {b.accounting for b in bases}:
+        same = {b.signature for b in bases if b.accounting == acct}
+        if len(same) > 1:
+            raise ProtocolError(f"{_cell_name(key)}: several {ref.label} runs with different calibration "
+                                f"statistics ({acct} accounting); name the baseline run with --baseline")
+    bases.sort(key=lambda r: r.accounting != "mean")  # a `mean` run is the default partner
+    pairs = []
+    for run in members:
+        if run in bases or (run.budget is None and key[1] is not None):
+            continue
+        pairs.append((run, next((b for b in bases if b.accounting == run.accounting), bases[0])))
+    return pairs, None
 
 
 def _short_verdict(res: stats.PairedResult) -> str:
