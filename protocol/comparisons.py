@@ -15,6 +15,7 @@ The test of a comparison is the one registered for its cell when it is confirmed
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from protocol import stats
@@ -158,24 +159,37 @@ def _short_verdict(res: stats.PairedResult) -> str:
 
 def pair_tests(pairs: list, prov: dict, given: dict) -> list[dict]:
     """The test of each pair: the registered one for a confirmed cell (a differing command-line
-    value is refused), else the command-line values, else the defaults; m defaults to the number
-    of comparisons that are not registered."""
+    value is refused), else the command-line values, else the defaults. m defaults to the number
+    of comparisons that are not registered *on the same dataset*: each dataset is its own
+    Bonferroni family (named in the source when a report mixes datasets); a given m makes one
+    family of them all (`mixed_family` states it)."""
     cells = [ledger_cell_of(prov, t, b) for t, b in pairs]
-    free = sum(1 for c in cells if c is None or c.get("test") is None)
+    free = [t.dataset for (t, _b), c in zip(pairs, cells) if c is None or c.get("test") is None]
+    per_dataset = {d: free.count(d) for d in free}
     out = []
-    for cell in cells:
+    for (t, _b), cell in zip(pairs, cells):
         test = cell.get("test") if cell else None
         if test is not None:
             check_given(given, test, cell)
             out.append({"source": f"registered (plan {cell['plan_hash'][:12]})", "cell": cell,
                         **{k: test[k] if test.get(k) is not None else
-                           (given.get(k) if given.get(k) is not None else DEFAULTS.get(k, free))
+                           (given.get(k) if given.get(k) is not None else DEFAULTS.get(k, len(free)))
                            for k in ("boot", "boot_max", "seed", "alpha", "m")}})
         else:
-            out.append({"source": "report settings", "cell": cell,
+            split = len(per_dataset) > 1 and given.get("m") is None
+            out.append({"source": f"report settings ({t.dataset})" if split else "report settings", "cell": cell,
                         **{k: given[k] if given.get(k) is not None else DEFAULTS[k] for k in DEFAULTS},
-                        "m": int(given.get("m") or free)})
+                        "m": int(given.get("m") or per_dataset[t.dataset])})
     return out
+
+
+def mixed_family(pairs: list, tests: list[dict]) -> str | None:
+    """A note when one Bonferroni family (a given --m) spans several datasets, else None."""
+    datasets = sorted({t.dataset for (t, _b), test in zip(pairs, tests) if test["source"] == "report settings"})
+    if len(datasets) < 2:
+        return None
+    m = next(test["m"] for test in tests if test["source"] == "report settings")
+    return f"one Bonferroni family (m={m}, --m) spans the datasets {', '.join(datasets)}"
 
 
 def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_boot: int) -> tuple[list, list]:
@@ -186,7 +200,8 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
         res = stats.paired_test(data, alpha=test["alpha"], m=test["m"], boot=test["boot"],
                                 boot_max=test["boot_max"], seed=test["seed"])
         row = {
-            "model": t.model, "budget": t.budget, "split": t.split, "accounting": t.accounting,
+            "model": t.model, "dataset": t.dataset, "budget": t.budget, "split": t.split,
+            "accounting": t.accounting,
             "treatment": t.label, "baseline": b.label, "treatment_run": t.run_id,
             "baseline_run": b.run_id, "n": res.n, "k": res.k,
             "acc_treatment": res.acc_treatment, "acc_baseline": res.acc_baseline,
@@ -206,6 +221,7 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
                         "budget_exceeded", "accounting"):
                 row[prefix + key] = s[key]
         row["plan_hash"] = t.plan_hash or b.plan_hash
+        row.update(code_provenance(t, b))
         row["confirmation"], deviates = _confirmation(t, b, test["cell"], prov)
         seen = _seen_in_exploration(t, b)
         if seen and row["confirmation"] != "dev":  # a confirm set that was looked at before
@@ -214,9 +230,11 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
             row["verdict"] = f"UNCONFIRMED ({row['verdict']})"  # not the pre-registered evidence
         elif deviates:
             row["verdict"] = f"DEVIATION ({row['verdict']})"
+        if row["code_flag"]:
+            row["verdict"] += f" [{row['code_flag']}]"
         rows.append(row)
         for sub in effect_vs_n(data, seed=test["seed"], boot=min(test["boot"], subset_boot)):
-            subsets.append({"model": t.model, "budget": t.budget, "accounting": t.accounting,
+            subsets.append({"model": t.model, "dataset": t.dataset, "budget": t.budget, "accounting": t.accounting,
                             "treatment": t.label, "baseline": b.label, **sub})
     families: dict = {}  # Holm within each family (one registered test, or the command line's)
     for i, row in enumerate(rows):
@@ -225,6 +243,24 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
         for i, ph in zip(idx, stats.holm([rows[i]["p_bootstrap"] for i in idx], m)):
             rows[i]["p_holm"] = float(ph)
     return rows, subsets
+
+
+def _dirty(version) -> bool:
+    """A code version of a tree with uncommitted changes (`git describe --dirty`: `-dirty`;
+    `retention`'s own: `.dirty`)."""
+    return bool(re.search(r"[-.]dirty\b", str(version or "")))
+
+
+def code_provenance(t: Run, b: Run) -> dict:
+    """Code version and model quantisation of both arms, and what is wrong with them: arms run on
+    different code, from a tree with uncommitted changes, or of differently quantised models
+    (`code_flag`, "" when nothing is)."""
+    tv, bv = t.meta.get("code_version"), b.meta.get("code_version")
+    tq, bq = t.config.get("model_quant"), b.config.get("model_quant")
+    flags = (["different code"] if tv != bv else []) + (["uncommitted changes"] if _dirty(tv) or _dirty(bv) else []) \
+        + ([f"quantisation {tq or 'none'} vs {bq or 'none'}"] if tq != bq else [])
+    return {"t_code_version": tv, "b_code_version": bv, "t_model_quant": tq, "b_model_quant": bq,
+            "code_flag": "; ".join(flags)}
 
 
 def _seen_in_exploration(t: Run, b: Run) -> int:
