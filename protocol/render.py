@@ -16,6 +16,7 @@ from protocol.errors import ProtocolError
 from protocol.io import load_json_object
 
 REPORT_LISTING = "report-files.json"
+INCOMPLETE = "REPORT-INCOMPLETE"  # present only while (or if killed while) a report is written
 
 
 def _fmt_num(x, fmt: str) -> str:
@@ -266,8 +267,11 @@ def write_report(rep, out_dir) -> list[Path]:
     """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically).
 
     `report-files.json` lists what was written; files of an earlier report into the same folder
-    that this one does not write (a figure of a cell no longer present) are removed, so the folder
-    never mixes two reports. Files the report did not write are never touched.
+    that this one does not write (a figure of a cell no longer present) are removed, so a finished
+    report never mixes two. Files the report did not write are never touched. While it writes,
+    `REPORT-INCOMPLETE` says so and the listing (`"complete": false`) already names each file
+    before it is written: a report killed half-way is marked, and the next one removes what the
+    killed one left.
     """
     import pandas as pd
 
@@ -282,9 +286,14 @@ def write_report(rep, out_dir) -> list[Path]:
             previous = [str(n) for n in load_json_object(listing, "report listing").get("files", [])]
         except ProtocolError:
             previous = []
+    write_atomic(out_dir / INCOMPLETE, "retention report is writing this folder (or was killed while "
+                                       "writing it): its files may mix two reports; rerun the report.\n")
     written = []
 
     def put(name: str, data: str | bytes) -> None:
+        # write-ahead: the listing names the file before it exists, so a rerun can remove it
+        pending = sorted({*previous, INCOMPLETE, *(p.name for p in written), name})
+        write_atomic(listing, dumps({"files": pending, "complete": False}, indent=1) + "\n")
         write_atomic(out_dir / name, data)
         written.append(out_dir / name)
 
@@ -304,13 +313,13 @@ def write_report(rep, out_dir) -> list[Path]:
         put(name, png)
     rep.notes += [f"figure {n}" for n in figure_notes if f"figure {n}" not in rep.notes]
     names = {p.name for p in written}
-    for stale in sorted(set(previous) - names):
+    for stale in sorted(set(previous) - names - {INCOMPLETE}):
         path = out_dir / Path(stale).name  # names only: never a path outside out_dir
         if path.is_file():
             path.unlink()
     write_atomic(listing, dumps({"files": sorted(names)}, indent=1) + "\n")
+    (out_dir / INCOMPLETE).unlink()
     return [*written, listing]
-
 
 
 def json_safe(obj):

@@ -1,5 +1,6 @@
-"""Every row of a report names its dataset and split, each dataset is its own Bonferroni family,
-and each comparison shows the code version (and model quantisation) of both arms."""
+"""Report outputs: every row names its dataset and split, each dataset is its own Bonferroni family,
+each comparison shows the code version (and model quantisation) of both arms, and a report
+killed while writing its folder is marked incomplete."""
 
 from __future__ import annotations
 
@@ -85,3 +86,35 @@ def test_a_quantised_model_is_named_in_the_arms_and_rows(tmp_path):
     make_run(other, scorer="triattention", n=10, seed=1)
     row = report.build_report([other], boot=200).comparisons[0]
     assert row["code_flag"] == "quantisation Q4_K_M vs none"
+
+
+# --------------------------------------------------------------------------------------------------
+# a report killed while writing its folder
+
+
+def test_a_report_killed_while_writing_is_marked_and_the_rerun_cleans_up(tmp_path, monkeypatch):
+    import json
+
+    from protocol import render, report_figures
+
+    runs = tmp_path / "runs"
+    make_run(runs, scorer="alpha", n=12, k=1, trace=True)
+    make_run(runs, scorer="triattention", n=12, k=1, shift=0.1, seed=1, trace=True)
+    out = tmp_path / "rep"
+    first = {p.name for p in report.write_report(report.build_report([runs], boot=100), out)}
+    assert not (out / "REPORT-INCOMPLETE").exists()
+    assert json.loads((out / render.REPORT_LISTING).read_text()) == {"files": sorted(first - {render.REPORT_LISTING})}
+
+    def killed(rep):  # the process dies here: nothing after this point runs
+        raise SystemExit(137)
+
+    real = report_figures.render_all
+    monkeypatch.setattr(report_figures, "render_all", killed)
+    with pytest.raises(SystemExit):
+        report.write_report(report.build_report([runs], boot=100), out)
+    assert (out / "REPORT-INCOMPLETE").exists()  # new CSVs beside the old PNGs: marked
+    listing = json.loads((out / render.REPORT_LISTING).read_text())
+    assert listing["complete"] is False and set(first - {render.REPORT_LISTING}) <= set(listing["files"])
+    monkeypatch.setattr(report_figures, "render_all", real)
+    again = {p.name for p in report.write_report(report.build_report([runs], boot=100), out)}
+    assert again == first and {p.name for p in out.iterdir()} == first
