@@ -60,13 +60,15 @@ def _cell_name(cell) -> str:
 
 def _plan_pairs(runs: list[Run], ref: Run, named: bool) -> list[tuple[Run, Run]]:
     """The (treatment, baseline) pairs a plan registered, from the runs' confirm.json sidecars:
-    per (plan, cell), its treatment run with its baseline run. With a named baseline, only the
+    per confirmation of a plan's cell, its treatment run with its baseline run. With a named baseline, only the
     plans whose baseline is of that arm (a swapped comparison is formed, and reported, as such)."""
     arms: dict = {}
     for run in runs:
         side = run.confirm or {}
         if side.get("plan_hash") and side.get("plan_hash") == run.plan_hash and side.get("arm") in ("treatment", "baseline"):
-            arms.setdefault((side["plan_hash"], side.get("cell_id")), {}).setdefault(side["arm"], []).append(run)
+            # one confirmation of the cell: a plan confirmed in two registries has two
+            key = (side["plan_hash"], side.get("cell_id"), side.get("ledger_entry"))
+            arms.setdefault(key, {}).setdefault(side["arm"], []).append(run)
     pairs = []
     for found in arms.values():
         (t, *more_t), (b, *more_b) = found.get("treatment") or [None], found.get("baseline") or [None]

@@ -123,8 +123,17 @@ def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) 
     out = {"plan_hashes": sorted({r.plan_hash for r in runs if r.plan_hash}), "confirm_dirs": [],
            "deviations": [], "ledger_cells": [], "warnings": [], "unconfirmed": {},
            "registered_tests": {}, "cell_attempts": {}}
+    foreign: dict = {}  # run id -> why its confirm directory's ledger cannot be verified here
     for d in _find_confirm_dirs(runs, confirm_dirs):
-        conf = read_confirmation(d, registry)  # raises on a tampered ledger or deviation log
+        try:
+            conf = read_confirmation(d, registry)
+        except ProtocolError as exc:
+            # Its lines do not verify under this registry's key of the plan: the plan was
+            # confirmed in another registry (or the ledger tampered); its runs are not confirmed here.
+            why = f"the ledger of {d} does not verify against the registry {registry.root} ({exc})"
+            out["warnings"].append(why)
+            foreign.update({r.run_id: why for r in runs if d in r.path.resolve().parents})
+            continue
         out["confirm_dirs"].append(str(d))
         out["deviations"] += conf["deviations"]
         for entry in conf["cells"]:
@@ -150,7 +159,7 @@ def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) 
                                           "plan_hash": entry["plan_hash"], "spec": runner.get("spec"),
                                           "source": "ledger entry (not in the deviation log)"})
     ids = {r.run_id for r in runs}
-    flagged = {k: v for k, v in out["unconfirmed"].items() if k in ids}  # from the registry's cells
+    flagged = {k: v for k, v in {**out["unconfirmed"], **foreign}.items() if k in ids}  # from the ledgers
     out["unconfirmed"] = {}
     for run in runs:
         if is_confirm_run(run):

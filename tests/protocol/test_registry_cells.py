@@ -90,3 +90,18 @@ def test_report_of_a_cell_whose_whole_cell_folder_was_wiped_is_unconfirmed(tmp_p
     row = rep.comparisons[0]
     assert row["verdict"].startswith("UNCONFIRMED")
     assert f"no confirmation of plan {h[:12]}" in row["confirmation"]
+
+
+def test_a_confirmation_in_a_fresh_registry_reads_unconfirmed_against_the_original(tmp_path, monkeypatch):
+    path, h = _confirmed(tmp_path)
+    state = ledger.state_dir()
+    monkeypatch.setenv(ledger.STATE_ENV, str(tmp_path / "fresh"))
+    copy = tmp_path / "copy" / path.name
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    run_confirm(copy, tmp_path / "c", FakeRunner(), cells=[CELL])
+    monkeypatch.setenv(ledger.STATE_ENV, str(state))
+    rep = report.build_report([tmp_path / "c" / "runs"])
+    assert len(rep.comparisons) == 1 and rep.comparisons[0]["verdict"].startswith("UNCONFIRMED")
+    assert len(rep.provenance["unconfirmed"]) == 2
+    assert all("does not verify" in why for why in rep.provenance["unconfirmed"].values())
