@@ -18,7 +18,7 @@ from pathlib import Path
 
 from protocol.errors import ProtocolError
 from protocol.io import sha256_file
-from protocol.ledger import Registry, read_confirmation
+from protocol.ledger import Registry, confirmed_in, read_confirmation
 from protocol.runs import Run
 
 # Command-line spelling of each test setting (for the refusal line).
@@ -128,8 +128,10 @@ def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) 
         try:
             conf = read_confirmation(d, registry)
         except ProtocolError as exc:
-            # Its lines do not verify under this registry's key of the plan: the plan was
-            # confirmed in another registry (or the ledger tampered); its runs are not confirmed here.
+            if confirmed_in(registry, d):  # this registry confirmed into d: the ledger was tampered
+                raise
+            # Its lines do not verify under this registry's key of the plan and this registry never
+            # confirmed into d: confirmed in another registry; its runs are not confirmed here.
             why = f"the ledger of {d} does not verify against the registry {registry.root} ({exc})"
             out["warnings"].append(why)
             foreign.update({r.run_id: why for r in runs if d in r.path.resolve().parents})
