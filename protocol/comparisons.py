@@ -178,6 +178,10 @@ def pair_tests(pairs: list, prov: dict, given: dict) -> list[dict]:
                            (given.get(k) if given.get(k) is not None else DEFAULTS.get(k, len(free)))
                            for k in ("boot", "boot_max", "seed", "alpha", "m")}})
         else:
+            boot = given["boot"] if given.get("boot") is not None else DEFAULTS["boot"]
+            if given.get("boot_max") is not None and given["boot_max"] < boot:
+                raise ProtocolError(f"--boot-max {given['boot_max']} is below --boot {boot}: the escalated "
+                                    "resamples cannot be fewer than the first ones")
             split = len(per_dataset) > 1 and given.get("m") is None
             out.append({"source": f"report settings ({t.dataset})" if split else "report settings", "cell": cell,
                         **{k: given[k] if given.get(k) is not None else DEFAULTS[k] for k in DEFAULTS},

@@ -179,12 +179,31 @@ class Registry:
             return None
         return _read_key(path)
 
-    def register(self, plan_h: str) -> bytes:
-        """The plan's key, created (mode 0600) if the plan is not registered yet."""
+    def register(self, plan_h: str, by: str = "preregister") -> bytes:
+        """The plan's key, created (mode 0600) if the plan is not registered yet, with its
+        registration record (`registration`): when, and by which command."""
         existing = self.key(plan_h)
         if existing is not None:
             return existing
-        return _create_key(ensure_dir(self.plan_dir(plan_h), "registry folder"), "register plan")
+        key = _create_key(ensure_dir(self.plan_dir(plan_h), "registry folder"), "register plan")
+        path = self.plan_dir(plan_h) / "registered.json"
+        if not path.exists():
+            record = {"at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "by": by}
+            record["mac"] = entry_hash(key, GENESIS, record)
+            write_atomic(path, canonical_json(record) + "\n")
+        return key
+
+    def registration(self, plan_h: str) -> dict | None:
+        """{"at", "by": "preregister" | "confirm"} of a registered plan (None for a plan registered
+        before the record existed); an edited record is refused."""
+        path = self.plan_dir(plan_h) / "registered.json"
+        if not path.exists():
+            return None
+        record = load_json_object(path, "registration record")
+        body = {k: v for k, v in record.items() if k != "mac"}
+        if record.get("mac") != entry_hash(self.require_key(plan_h), GENESIS, body):
+            raise ProtocolError(f"{path}: registration record edited (registry damaged)")
+        return body
 
     def require_key(self, plan_h: str) -> bytes:
         key = self.key(plan_h)
@@ -385,3 +404,13 @@ def read_confirmation(out_dir: Path, registry: Registry | None = None) -> dict:
     registered = {e["cell_id"]: e for e in registry.ledger(h).entries() if e.get("kind") == "cell"}
     return {"plan_hash": h, "cells": [e for e in cells if e.get("kind") == "cell"],
             "deviations": deviations, "registered": registered}
+
+
+def confirmed_in(registry: Registry, out_dir: Path) -> bool:
+    """Whether this registry committed a confirmation into `out_dir` (its ledger of the plan the
+    directory's lines name holds an entry with that `out_dir`)."""
+    out_dir = Path(out_dir)
+    h = plan_of_chain(ledger_path(out_dir)) or plan_of_chain(deviations_path(out_dir))
+    if h is None or registry.key(h) is None:
+        return False
+    return any(e.get("out_dir") == str(out_dir.resolve()) for e in registry.ledger(h).entries())
