@@ -236,8 +236,6 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
             row["verdict"] = f"UNCONFIRMED ({row['verdict']})"  # not the pre-registered evidence
         elif deviates:
             row["verdict"] = f"DEVIATION ({row['verdict']})"
-        if row["code_flag"]:
-            row["verdict"] += f" [{row['code_flag']}]"
         rows.append(row)
         for sub in effect_vs_n(data, seed=test["seed"], boot=min(test["boot"], subset_boot)):
             subsets.append({"model": t.model, "dataset": t.dataset, "budget": t.budget, "accounting": t.accounting,
