@@ -15,6 +15,7 @@ The test of a comparison is the one registered for its cell when it is confirmed
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from protocol import stats
@@ -57,11 +58,39 @@ def _cell_name(cell) -> str:
     return f"cell {cell[0]} / budget {'full' if cell[1] is None else cell[1]} / split {cell[2]}"
 
 
+def _plan_pairs(runs: list[Run], ref: Run, named: bool) -> list[tuple[Run, Run]]:
+    """The (treatment, baseline) pairs a plan registered, from the runs' confirm.json sidecars:
+    per confirmation of a plan's cell, its treatment run with its baseline run. With a named baseline, only the
+    plans whose baseline is of that arm (a swapped comparison is formed, and reported, as such)."""
+    arms: dict = {}
+    for run in runs:
+        side = run.confirm or {}
+        if side.get("plan_hash") and side.get("plan_hash") == run.plan_hash and side.get("arm") in ("treatment", "baseline"):
+            # one confirmation of the cell: a plan confirmed in two registries has two
+            key = (side["plan_hash"], side.get("cell_id"), side.get("ledger_entry"))
+            arms.setdefault(key, {}).setdefault(side["arm"], []).append(run)
+    pairs = []
+    for found in arms.values():
+        (t, *more_t), (b, *more_b) = found.get("treatment") or [None], found.get("baseline") or [None]
+        if t is None or b is None or more_t or more_b:
+            continue  # left to the ordinary rule (within the plan)
+        if not named or b.arm_signature == ref.arm_signature:
+            pairs.append((t, b))
+    return pairs
+
+
+def _plan_name(h) -> str:
+    return f"plan {h[:12]}" if h else "runs of no plan"
+
+
 def plan_comparisons(runs: list[Run], baseline: str | None = None) -> tuple[list, list]:
     """Pairs (treatment, baseline) per cell, and notes about cells without a baseline run.
 
-    A run without a budget (`full`, no eviction) is a reference for every budget of its model and
-    split: it joins each of those cells as a possible baseline and is never a treatment there.
+    Within a cell, the pairs each plan registered come first (`_plan_pairs`); the other runs pair
+    with a baseline run of their own plan (or, for runs of no plan, of no plan): a cross-plan pair
+    is never formed, and a run left without one is noted. A run without a budget (`full`, no
+    eviction) is a reference for every budget of its model and split: it joins each of those
+    cells as a possible baseline and is never a treatment there.
     """
     ref = match_baseline(runs, baseline)
     budgeted = {(r.model, r.split) for r in runs if r.budget is not None}
@@ -73,28 +102,55 @@ def plan_comparisons(runs: list[Run], baseline: str | None = None) -> tuple[list
     pairs, notes = [], []
     models = list(dict.fromkeys(r.model for r in runs))
     for key in sorted(cells, key=lambda c: (models.index(c[0]), budget_key(c[1]), str(c[2]))):
-        members = cells[key] + [r for r in unbudgeted if (r.model, r.split) == (key[0], key[2])]
-        bases = ([r for r in members if r.signature == ref.signature]
-                 or [r for r in members if r.arm_signature == ref.arm_signature])
-        if not bases:
-            elsewhere = sorted({str(r.split) for r in runs if (r.model, r.budget) == key[:2]
-                                and r.split != key[2] and r.arm_signature == ref.arm_signature})
-            why = (f"the {ref.label} baseline ran on split {', '.join(elsewhere)}: different splits"
-                   if elsewhere else f"no {ref.label} baseline run")
-            notes.append(f"{_cell_name(key)}: {why}; not compared")
-            continue
-        for acct in {b.accounting for b in bases}:
-            same = {b.signature for b in bases if b.accounting == acct}
-            if len(same) > 1:
-                raise ProtocolError(f"{_cell_name(key)}: several {ref.label} runs with different calibration "
-                                    f"statistics ({acct} accounting); name the baseline run with --baseline")
-        bases.sort(key=lambda r: r.accounting != "mean")  # a `mean` run is the default partner
-        for run in sorted(cells[key], key=lambda r: (r.label, r.accounting != "mean", r.accounting)):
-            if run in bases:
-                continue
-            partner = next((b for b in bases if b.accounting == run.accounting), bases[0])
-            pairs.append((run, partner))
+        planned = _plan_pairs(cells[key], ref, baseline is not None)
+        taken = {id(r) for pair in planned for r in pair}
+        members = [r for r in cells[key] + [r for r in unbudgeted if (r.model, r.split) == (key[0], key[2])]
+                   if id(r) not in taken]
+        cell_pairs = list(planned)
+        by_plan: dict = {}
+        for run in members:
+            by_plan.setdefault(run.plan_hash, []).append(run)
+        for h, group in by_plan.items():
+            found, note = _pairs_of_group(key, group, ref, runs)
+            cell_pairs += found
+            if note and (planned or any(_bases(g, ref) for g in by_plan.values())):
+                note = (f"{_cell_name(key)}: {_plan_name(h)} has no {ref.label} baseline run of its own "
+                        "here; not compared (a cross-plan pair is never formed)")
+            if note:
+                notes.append(note)
+        cell_pairs.sort(key=lambda p: (p[0].label, p[0].accounting != "mean", p[0].accounting,
+                                       str(p[0].plan_hash or "")))
+        pairs += cell_pairs
     return pairs, notes
+
+
+def _bases(members: list[Run], ref: Run) -> list[Run]:
+    return ([r for r in members if r.signature == ref.signature]
+            or [r for r in members if r.arm_signature == ref.arm_signature])
+
+
+def _pairs_of_group(key, members: list[Run], ref: Run, runs: list[Run]) -> tuple[list, str | None]:
+    """Pairs within one plan's runs of a cell (or runs of no plan): each treatment with the
+    baseline run of its accounting mode (else the `mean` one). Returns (pairs, note or None)."""
+    bases = _bases(members, ref)
+    if not bases:
+        elsewhere = sorted({str(r.split) for r in runs if (r.model, r.budget) == key[:2]
+                            and r.split != key[2] and r.arm_signature == ref.arm_signature})
+        why = (f"the {ref.label} baseline ran on split {', '.join(elsewhere)}: different splits"
+               if elsewhere else f"no {ref.label} baseline run")
+        return [], f"{_cell_name(key)}: {why}; not compared"
+    for acct in {b.accounting for b in bases}:
+        same = {b.signature for b in bases if b.accounting == acct}
+        if len(same) > 1:
+            raise ProtocolError(f"{_cell_name(key)}: several {ref.label} runs with different calibration "
+                                f"statistics ({acct} accounting); name the baseline run with --baseline")
+    bases.sort(key=lambda r: r.accounting != "mean")  # a `mean` run is the default partner
+    pairs = []
+    for run in members:
+        if run in bases or (run.budget is None and key[1] is not None):
+            continue
+        pairs.append((run, next((b for b in bases if b.accounting == run.accounting), bases[0])))
+    return pairs, None
 
 
 def _short_verdict(res: stats.PairedResult) -> str:
@@ -105,24 +161,41 @@ def _short_verdict(res: stats.PairedResult) -> str:
 
 def pair_tests(pairs: list, prov: dict, given: dict) -> list[dict]:
     """The test of each pair: the registered one for a confirmed cell (a differing command-line
-    value is refused), else the command-line values, else the defaults; m defaults to the number
-    of comparisons that are not registered."""
+    value is refused), else the command-line values, else the defaults. m defaults to the number
+    of comparisons that are not registered *on the same dataset*: each dataset is its own
+    Bonferroni family (named in the source when a report mixes datasets); a given m makes one
+    family of them all (`mixed_family` states it)."""
     cells = [ledger_cell_of(prov, t, b) for t, b in pairs]
-    free = sum(1 for c in cells if c is None or c.get("test") is None)
+    free = [t.dataset for (t, _b), c in zip(pairs, cells) if c is None or c.get("test") is None]
+    per_dataset = {d: free.count(d) for d in free}
     out = []
-    for cell in cells:
+    for (t, _b), cell in zip(pairs, cells):
         test = cell.get("test") if cell else None
         if test is not None:
             check_given(given, test, cell)
             out.append({"source": f"registered (plan {cell['plan_hash'][:12]})", "cell": cell,
                         **{k: test[k] if test.get(k) is not None else
-                           (given.get(k) if given.get(k) is not None else DEFAULTS.get(k, free))
+                           (given.get(k) if given.get(k) is not None else DEFAULTS.get(k, len(free)))
                            for k in ("boot", "boot_max", "seed", "alpha", "m")}})
         else:
-            out.append({"source": "report settings", "cell": cell,
+            boot = given["boot"] if given.get("boot") is not None else DEFAULTS["boot"]
+            if given.get("boot_max") is not None and given["boot_max"] < boot:
+                raise ProtocolError(f"--boot-max {given['boot_max']} is below --boot {boot}: the escalated "
+                                    "resamples cannot be fewer than the first ones")
+            split = len(per_dataset) > 1 and given.get("m") is None
+            out.append({"source": f"report settings ({t.dataset})" if split else "report settings", "cell": cell,
                         **{k: given[k] if given.get(k) is not None else DEFAULTS[k] for k in DEFAULTS},
-                        "m": int(given.get("m") or free)})
+                        "m": int(given.get("m") or per_dataset[t.dataset])})
     return out
+
+
+def mixed_family(pairs: list, tests: list[dict]) -> str | None:
+    """A note when one Bonferroni family (a given --m) spans several datasets, else None."""
+    datasets = sorted({t.dataset for (t, _b), test in zip(pairs, tests) if test["source"] == "report settings"})
+    if len(datasets) < 2:
+        return None
+    m = next(test["m"] for test in tests if test["source"] == "report settings")
+    return f"one Bonferroni family (m={m}, --m) spans the datasets {', '.join(datasets)}"
 
 
 def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_boot: int) -> tuple[list, list]:
@@ -133,7 +206,8 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
         res = stats.paired_test(data, alpha=test["alpha"], m=test["m"], boot=test["boot"],
                                 boot_max=test["boot_max"], seed=test["seed"])
         row = {
-            "model": t.model, "budget": t.budget, "split": t.split, "accounting": t.accounting,
+            "model": t.model, "dataset": t.dataset, "budget": t.budget, "split": t.split,
+            "accounting": t.accounting,
             "treatment": t.label, "baseline": b.label, "treatment_run": t.run_id,
             "baseline_run": b.run_id, "n": res.n, "k": res.k,
             "acc_treatment": res.acc_treatment, "acc_baseline": res.acc_baseline,
@@ -153,6 +227,7 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
                         "budget_exceeded", "accounting"):
                 row[prefix + key] = s[key]
         row["plan_hash"] = t.plan_hash or b.plan_hash
+        row.update(code_provenance(t, b))
         row["confirmation"], deviates = _confirmation(t, b, test["cell"], prov)
         seen = _seen_in_exploration(t, b)
         if seen and row["confirmation"] != "dev":  # a confirm set that was looked at before
@@ -163,7 +238,7 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
             row["verdict"] = f"DEVIATION ({row['verdict']})"
         rows.append(row)
         for sub in effect_vs_n(data, seed=test["seed"], boot=min(test["boot"], subset_boot)):
-            subsets.append({"model": t.model, "budget": t.budget, "accounting": t.accounting,
+            subsets.append({"model": t.model, "dataset": t.dataset, "budget": t.budget, "accounting": t.accounting,
                             "treatment": t.label, "baseline": b.label, **sub})
     families: dict = {}  # Holm within each family (one registered test, or the command line's)
     for i, row in enumerate(rows):
@@ -172,6 +247,24 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
         for i, ph in zip(idx, stats.holm([rows[i]["p_bootstrap"] for i in idx], m)):
             rows[i]["p_holm"] = float(ph)
     return rows, subsets
+
+
+def _dirty(version) -> bool:
+    """A code version of a tree with uncommitted changes (`git describe --dirty`: `-dirty`;
+    `retention`'s own: `.dirty`)."""
+    return bool(re.search(r"[-.]dirty\b", str(version or "")))
+
+
+def code_provenance(t: Run, b: Run) -> dict:
+    """Code version and model quantisation of both arms, and what is wrong with them: arms run on
+    different code, from a tree with uncommitted changes, or of differently quantised models
+    (`code_flag`, "" when nothing is)."""
+    tv, bv = t.meta.get("code_version"), b.meta.get("code_version")
+    tq, bq = t.config.get("model_quant"), b.config.get("model_quant")
+    flags = (["different code"] if tv != bv else []) + (["uncommitted changes"] if _dirty(tv) or _dirty(bv) else []) \
+        + ([f"quantisation {tq or 'none'} vs {bq or 'none'}"] if tq != bq else [])
+    return {"t_code_version": tv, "b_code_version": bv, "t_model_quant": tq, "b_model_quant": bq,
+            "code_flag": "; ".join(flags)}
 
 
 def _seen_in_exploration(t: Run, b: Run) -> int:

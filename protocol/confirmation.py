@@ -126,6 +126,10 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner, *, manifest_hash: st
     if current_manifest != plan["split_manifest_sha256"]:
         raise ProtocolError(f"split manifest {current_manifest[:12]} differs from the registered "
                             f"{plan['split_manifest_sha256'][:12]}: refusing to confirm")
+    for schema in (int(config_schema), plan["config_schema"]):
+        if schema > CONFIG_SCHEMA_VERSION:
+            raise ProtocolError(f"configuration schema {schema} is unknown to this code (it writes "
+                                f"schema {CONFIG_SCHEMA_VERSION}): refusing to confirm")
     if int(config_schema) != plan["config_schema"]:
         raise ProtocolError(f"configuration schema {config_schema} differs from the registered "
                             f"{plan['config_schema']}: refusing to confirm")
@@ -202,6 +206,9 @@ def _confirm_cells(plan, h, plan_path, out_dir, runner, wanted, by_id, configs, 
         return entry["hash"]
 
     sup_reason = (plan.get("supersedes") or {}).get("reason")
+    registration = registry.registration(h)
+    late = registration is not None and registration.get("by") == "confirm"
+    claimed = load_json_object(plan_path, "plan file").get("registered_at") if late else None
     written = []
     for cid in wanted:
         cell = by_id[cid]
@@ -213,6 +220,9 @@ def _confirm_cells(plan, h, plan_path, out_dir, runner, wanted, by_id, configs, 
         if code_version != plan["code_version"]:
             dev_ids.append(deviate("code_version", cid, {"planned": plan["code_version"],
                                                          "actual": code_version}))
+        if late:  # the plan file's registered_at is a claim: the registry first saw it at confirm
+            dev_ids.append(deviate("registered_at_confirm", cid, {"planned": claimed,
+                                                                  "actual": registration.get("at")}))
         if not used_runner["registered"]:
             dev_ids.append(deviate("runner", cid, {"planned": plan.get("runner", DEFAULT_RUNNER_SPEC),
                                                    "actual": used_runner["spec"]}))
@@ -291,7 +301,9 @@ class _Books:
                 raise ProtocolError(f"plan {h[:12]} has ledgers ({', '.join(map(str, copies))}) but is not "
                                     f"registered in {registry.root}: they cannot be verified, so confirm "
                                     f"refuses (set ${STATE_ENV} to the registry it was registered in)")
-            key = registry.register(h)  # a plan written before registries existed, or copied here
+            # a plan written before registries existed, copied here, or edited and re-hashed by
+            # hand: registered now, which each cell's deviation log records
+            key = registry.register(h, by="confirm")
         return cls(h, key, plan, plan_path, out_dir, registry)
 
     def sync(self) -> dict[str, dict]:

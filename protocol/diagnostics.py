@@ -33,7 +33,9 @@ def summarize_run(run: Run) -> dict:
     fid = [r["fidelity"] for r in recs if isinstance(r.get("fidelity"), dict)]
     peaks = [r.get("cache_peak_tokens") for r in recs if r.get("cache_peak_tokens") is not None]
     return {
-        "run_id": run.run_id, "label": run.label, "model": run.model, "budget": run.budget,
+        "run_id": run.run_id, "label": run.label, "model": run.model, "dataset": run.dataset,
+        "model_quant": run.config.get("model_quant"), "code_version": run.meta.get("code_version"),
+        "budget": run.budget,
         "scorer": run.scorer, "accounting": run.accounting, "split": run.split, "n_problems": len(problems),
         "n_records": len(recs), "accuracy": acc, "acc_ci95_lo": acc - 1.96 * se,
         "acc_ci95_hi": acc + 1.96 * se,

@@ -1,4 +1,4 @@
-"""Keyed, write-ahead hash chains and the user-level registry of plans and confirmations.
+"""The user-level registry of plans and confirmations (its hash chains: `protocol.chain`).
 
 One confirmation per (plan, cell), wherever `confirm` runs: the registry lives in a user-level
 state directory (`$RETENTION_STATE_DIR`, else the platform's user state directory), keyed by plan
@@ -6,7 +6,11 @@ hash, so neither `--out`, the working directory nor the plan file's name or loca
 one confirmation per *cell identity* (`protocol.plans.cell_identity`: what is compared, not the
 plan's seed, note or k) across plans: `<state>/cells/<cell key>.jsonl` lists every attempt on the
 cell, `{"plan_hash", "cell_id", "status": "started" | "confirmed", "at", "out_dir", "supersedes",
-"reason"}`, chained under the registry's cell key (`<state>/cells/key`).
+"reason"}`, chained under the registry's cell key (`<state>/cells/key`). The set of cells is
+covered too: `<state>/cells/index.jsonl`, a chain under the same key, lists every cell key, and
+its first line is written before any cell file exists. A cell file deleted with its head (or an
+index deleted while cell files remain) is refused as registry damage, never read as "no attempts";
+a cell file the index lacks (a kill between the two appends) is added to it.
 
 Each registered plan has a folder `<state>/plans/<plan hash>/` holding
 
@@ -28,19 +32,17 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import hashlib
-import hmac
 import os
 import re
 import secrets
 from pathlib import Path
 
+from protocol.chain import GENESIS, HashChain, entry_hash  # noqa: F401 - re-exported
 from protocol.errors import ProtocolError
-from protocol.io import (append_line, canonical_json, ensure_dir, exclusive_lock, jsonl_line,
-                         load_json_object, read_jsonl, write_atomic)
+from protocol.io import canonical_json, ensure_dir, exclusive_lock, load_json_object, read_jsonl, write_atomic
 
 STATE_ENV = "RETENTION_STATE_DIR"
-GENESIS = "0" * 64
+INDEX_NAME = "index.jsonl"  # the registry's index of cells, in <state>/cells/
 
 
 def state_dir() -> Path:
@@ -51,111 +53,6 @@ def state_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_state_dir("retention", appauthor=False))
-
-
-def entry_hash(key: bytes, prev: str, content: dict) -> str:
-    """HMAC-SHA256 of `prev + canonical(content)` under the plan's key."""
-    return hmac.new(key, (prev + canonical_json(content)).encode("utf-8"), hashlib.sha256).hexdigest()
-
-
-class HashChain:
-    """An append-only JSONL log, each line `{..content.., "prev", "hash"}` chained by HMAC.
-
-    `<name>.head` is the write-ahead checkpoint (module docstring). `entries()` verifies every line
-    (an edited, removed, reordered or inserted line, a recomputed chain, a truncated tail are all
-    refused) and completes an interrupted append.
-    """
-
-    def __init__(self, path: Path, key: bytes):
-        self.path = Path(path)
-        self.head_path = self.path.with_name(self.path.name + ".head")
-        self.key = key
-
-    def _hash(self, prev: str, content: dict) -> str:
-        return entry_hash(self.key, prev, content)
-
-    def _read_head(self) -> dict | None:
-        if not self.head_path.exists():
-            return None
-        head = load_json_object(self.head_path, "ledger head")
-        if not isinstance(head.get("count"), int) or not isinstance(head.get("hash"), str):
-            raise ProtocolError(f"{self.head_path}: not a head checkpoint")
-        return head
-
-    def _verify(self, rows) -> list[dict]:
-        prev, out = GENESIS, []
-        for lineno, entry in rows:
-            content = {k: v for k, v in entry.items() if k != "hash"}
-            if entry.get("prev") != prev:
-                raise ProtocolError(f"{self.path}:{lineno}: chain broken (a line was removed, "
-                                    "reordered or inserted)")
-            if entry.get("hash") != self._hash(prev, content):
-                raise ProtocolError(f"{self.path}:{lineno}: hash mismatch (line was edited, or the "
-                                    "chain recomputed without the plan's key)")
-            prev = entry["hash"]
-            out.append(entry)
-        return out
-
-    def entries(self) -> list[dict]:
-        """All entries after verifying the chain (and completing an interrupted append)."""
-        head = self._read_head()
-        if not self.path.exists():
-            if head is None:
-                return []
-            if head["count"] == 0 and "pending" in head:  # killed before the first line
-                return self._complete(head, [], 0)
-            raise ProtocolError(f"{self.path} is missing but its head checkpoint exists")
-        read = read_jsonl(self.path, "ledger")
-        entries = self._verify(read.rows)
-        if head is None:
-            if entries or read.partial_tail:
-                raise ProtocolError(f"{self.head_path} is missing (log tampered)")
-            return entries
-        count, pending = head["count"], head.get("pending")
-        if pending is not None:
-            if len(entries) == count + 1 and entries[-1] == pending and not read.partial_tail:
-                self._write_head(count + 1, pending["hash"])
-                return entries
-            if len(entries) == count:
-                return self._complete(head, entries, read.valid_end)
-            raise ProtocolError(f"{self.path}: does not match its write-ahead head")
-        if read.partial_tail:
-            raise ProtocolError(f"{self.path}: unreadable last line with no pending write (corrupt log)")
-        if count != len(entries) or (count and entries[-1]["hash"] != head["hash"]):
-            raise ProtocolError(f"{self.path}: does not match its head checkpoint "
-                                "(lines were removed, added or rewritten)")
-        return entries
-
-    def _complete(self, head: dict, entries: list[dict], valid_end: int) -> list[dict]:
-        """Finish the append the head announced: drop a half line, write the entry, move the head."""
-        pending = head["pending"]
-        prev = entries[-1]["hash"] if entries else GENESIS
-        body = {k: v for k, v in pending.items() if k != "hash"}
-        if body.get("prev") != prev or pending.get("hash") != self._hash(prev, body):
-            raise ProtocolError(f"{self.head_path}: pending entry does not extend {self.path}")
-        if self.path.exists():
-            with open(self.path, "r+b") as fh:
-                fh.truncate(valid_end)
-        append_line(self.path, jsonl_line(pending))
-        self._write_head(len(entries) + 1, pending["hash"])
-        return entries + [pending]
-
-    def _write_head(self, count: int, last: str, pending: dict | None = None) -> None:
-        head = {"count": count, "hash": last, **({"pending": pending} if pending else {})}
-        write_atomic(self.head_path, canonical_json(head) + "\n")
-
-    def append(self, content: dict) -> dict:
-        """Verify, then append one entry write-ahead; returns the entry with `prev` and `hash`."""
-        existing = self.entries()
-        prev = existing[-1]["hash"] if existing else GENESIS
-        body = {k: v for k, v in content.items() if k not in ("prev", "hash")}
-        body["prev"] = prev
-        entry = {**body, "hash": self._hash(prev, body)}
-        ensure_dir(self.path.parent, "ledger folder")
-        self._write_head(len(existing), prev, pending=entry)
-        append_line(self.path, jsonl_line(entry))
-        self._write_head(len(existing) + 1, entry["hash"])
-        return entry
 
 
 class Registry:
@@ -174,12 +71,31 @@ class Registry:
             return None
         return _read_key(path)
 
-    def register(self, plan_h: str) -> bytes:
-        """The plan's key, created (mode 0600) if the plan is not registered yet."""
+    def register(self, plan_h: str, by: str = "preregister") -> bytes:
+        """The plan's key, created (mode 0600) if the plan is not registered yet, with its
+        registration record (`registration`): when, and by which command."""
         existing = self.key(plan_h)
         if existing is not None:
             return existing
-        return _create_key(ensure_dir(self.plan_dir(plan_h), "registry folder"), "register plan")
+        key = _create_key(ensure_dir(self.plan_dir(plan_h), "registry folder"), "register plan")
+        path = self.plan_dir(plan_h) / "registered.json"
+        if not path.exists():
+            record = {"at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "by": by}
+            record["mac"] = entry_hash(key, GENESIS, record)
+            write_atomic(path, canonical_json(record) + "\n")
+        return key
+
+    def registration(self, plan_h: str) -> dict | None:
+        """{"at", "by": "preregister" | "confirm"} of a registered plan (None for a plan registered
+        before the record existed); an edited record is refused."""
+        path = self.plan_dir(plan_h) / "registered.json"
+        if not path.exists():
+            return None
+        record = load_json_object(path, "registration record")
+        body = {k: v for k, v in record.items() if k != "mac"}
+        if record.get("mac") != entry_hash(self.require_key(plan_h), GENESIS, body):
+            raise ProtocolError(f"{path}: registration record edited (registry damaged)")
+        return body
 
     def require_key(self, plan_h: str) -> bytes:
         key = self.key(plan_h)
@@ -216,17 +132,53 @@ class Registry:
             key = _create_key(ensure_dir(path.parent, "registry folder"), "register cells")
         return HashChain(path, key)
 
+    def _index(self, key: bytes) -> HashChain:
+        return HashChain(self.root / "cells" / INDEX_NAME, key)
+
+    def _listed(self, key: bytes, *, create: bool) -> set[str]:
+        """The cell keys of the registry's cell index (verified). A missing index is damage when any
+        cell file exists (the index is started before the first one); else, with `create`, it is
+        started (`{"kind": "index"}`)."""
+        index = self._index(key)
+        with _blocking_lock(index.path.with_name(INDEX_NAME + ".lock")):
+            if not (index.path.exists() or index.head_path.exists()):
+                cells = [p.name for p in index.path.parent.glob("*.jsonl") if p.name != INDEX_NAME]
+                if cells:
+                    raise ProtocolError(f"{index.path} is missing but {len(cells)} cell record(s) exist "
+                                        "(registry damaged: the index of cells was deleted)")
+                if create:
+                    index.append({"kind": "index"})
+            return {e.get("cell_key") for e in index.entries() if e.get("kind") == "cell"}
+
+    def _list_cell(self, key: bytes, cell_key: str) -> None:
+        """Add a cell key to the index (a no-op when it is there)."""
+        index = self._index(key)
+        with _blocking_lock(index.path.with_name(INDEX_NAME + ".lock")):
+            if not any(e.get("cell_key") == cell_key for e in index.entries()):
+                index.append({"kind": "cell", "cell_key": cell_key})
+
+    def _check_present(self, chain: HashChain, cell_key: str, listed: set[str]) -> None:
+        if cell_key in listed and not (chain.path.exists() or chain.head_path.exists()):
+            raise ProtocolError(f"{chain.path} is missing but the registry's index of cells lists it "
+                                "(registry damaged: a cell record was deleted)")
+
     def cell_attempts(self, cell_key: str) -> list[dict]:
         """Every recorded attempt on the cell, oldest first (verified chain), each exactly
         {"plan_hash", "cell_id", "status": "started" | "confirmed", "at", "out_dir",
-        "supersedes": [plan hashes] or None, "reason": str or None}."""
+        "supersedes": [plan hashes] or None, "reason": str or None}. A deleted cell record (the
+        index lists it) is refused (`ProtocolError`)."""
         chain = self._cell_chain(cell_key, create=False)
         if chain is None:
             return []
+        listed = self._listed(chain.key, create=False)
+        self._check_present(chain, cell_key, listed)
         # Under the writers' lock: reading completes an interrupted append, which must not race
         # with a writer finishing its own.
         with _blocking_lock(chain.path.with_name(chain.path.name + ".lock")):
-            return [{f: e.get(f) for f in ATTEMPT_FIELDS} for e in chain.entries()]
+            entries = chain.entries()
+        if entries and cell_key not in listed:  # killed between the cell's first line and the index
+            self._list_cell(chain.key, cell_key)
+        return [{f: e.get(f) for f in ATTEMPT_FIELDS} for e in entries]
 
     def record_attempt(self, cell_key: str, *, plan_hash: str, cell_id: str, status: str,
                        out_dir: str, supersedes: list[str] | None = None,
@@ -235,21 +187,26 @@ class Registry:
         folder), "confirmed" once per (plan, cell). Returns the new attempt, or None.
 
         Shards of one confirmation write here at once, so the check and the append hold a
-        (blocking, short) lock on the cell's file."""
+        (blocking, short) lock on the cell's file. A cell record the index lists but that is
+        missing is refused: recreating it would forget the attempts it held."""
         if status not in ("started", "confirmed"):
             raise ProtocolError(f"unknown attempt status {status!r}")
         chain = self._cell_chain(cell_key, create=True)
+        listed = self._listed(chain.key, create=True)  # the index exists before any cell file
+        self._check_present(chain, cell_key, listed)
         with _blocking_lock(chain.path.with_name(chain.path.name + ".lock")):
-            for a in chain.entries():
-                if (a.get("plan_hash"), a.get("cell_id"), a.get("status")) == (plan_hash, cell_id, status) \
-                        and (status == "confirmed" or a.get("out_dir") == out_dir):
-                    return None
-            attempt = {"plan_hash": plan_hash, "cell_id": cell_id, "status": status,
-                       "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                       "out_dir": out_dir, "supersedes": list(supersedes) if supersedes else None,
-                       "reason": reason}
-            chain.append(attempt)
-            return attempt
+            attempt = None
+            entries = chain.entries()
+            if not any((a.get("plan_hash"), a.get("cell_id"), a.get("status")) == (plan_hash, cell_id, status)
+                       and (status == "confirmed" or a.get("out_dir") == out_dir) for a in entries):
+                attempt = {"plan_hash": plan_hash, "cell_id": cell_id, "status": status,
+                           "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                           "out_dir": out_dir, "supersedes": list(supersedes) if supersedes else None,
+                           "reason": reason}
+                chain.append(attempt)
+        if cell_key not in listed:
+            self._list_cell(chain.key, cell_key)
+        return attempt
 
 
 # Fields of one attempt on a cell (`Registry.cell_attempts`).
@@ -339,3 +296,13 @@ def read_confirmation(out_dir: Path, registry: Registry | None = None) -> dict:
     registered = {e["cell_id"]: e for e in registry.ledger(h).entries() if e.get("kind") == "cell"}
     return {"plan_hash": h, "cells": [e for e in cells if e.get("kind") == "cell"],
             "deviations": deviations, "registered": registered}
+
+
+def confirmed_in(registry: Registry, out_dir: Path) -> bool:
+    """Whether this registry committed a confirmation into `out_dir` (its ledger of the plan the
+    directory's lines name holds an entry with that `out_dir`)."""
+    out_dir = Path(out_dir)
+    h = plan_of_chain(ledger_path(out_dir)) or plan_of_chain(deviations_path(out_dir))
+    if h is None or registry.key(h) is None:
+        return False
+    return any(e.get("out_dir") == str(out_dir.resolve()) for e in registry.ledger(h).entries())

@@ -46,19 +46,34 @@ from __future__ import annotations
 from pathlib import Path
 
 from protocol import confirmation as _confirmation
+from protocol import plans as _plans
 from protocol.confirmation import (_content, _current_manifest_hash, _mismatches, runner_record)  # noqa: F401
 from protocol.errors import ProtocolError
 from protocol.io import canonical_json, sha256_text  # noqa: F401 - re-exported
 from protocol.ledger import (GENESIS, STATE_ENV, HashChain, Registry, deviations_path, ledger_path,  # noqa: F401
                              plan_ledger_path, plan_of_chain, read_confirmation)
 from protocol.plans import (ARMS, CONFIG_SCHEMA_VERSION, DEFAULT_DATASET, DEFAULT_RUNNER_SPEC,  # noqa: F401
-                            PLAN_SCHEMA, _set_dotted, arm_config, build_plan, cell_id, cell_identity, cell_key,
+                            PLAN_SCHEMA, _set_dotted, arm_config, cell_id, cell_identity, cell_key,
                             check_repeats, load_plan, plan_hash, superseded_plans, with_cell_stats, write_plan)
 
 Runner = _confirmation.Runner
 # Hook for the CLI layer: `retention` sets this to its generation runner; `confirm` uses it when no
 # runner is passed explicitly.
 DEFAULT_RUNNER: Runner | None = None
+
+
+def build_plan(**kw) -> dict:
+    """`protocol.plans.build_plan`, refusing settings no confirmation could honour: a
+    configuration schema this code does not know, or escalated resamples below the first ones."""
+    schema = kw.get("config_schema", CONFIG_SCHEMA_VERSION)
+    if int(schema) > CONFIG_SCHEMA_VERSION:
+        raise ProtocolError(f"--config-schema {schema} is unknown to this code (it writes schema "
+                            f"{CONFIG_SCHEMA_VERSION})")
+    boot, boot_max = kw.get("boot"), kw.get("boot_max")
+    if boot is not None and boot_max is not None and boot_max < boot:
+        raise ProtocolError(f"--boot-max {boot_max} is below --boot {boot}: the escalated resamples "
+                            "cannot be fewer than the first ones")
+    return _plans.build_plan(**kw)
 
 
 def confirm(plan_path: Path, out_dir: Path, runner: Runner | None = None, **kw) -> list[dict]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from protocol.errors import ProtocolError
 from protocol.io import sha256_file
-from protocol.ledger import Registry, read_confirmation
+from protocol.ledger import Registry, confirmed_in, read_confirmation
 from protocol.runs import Run
 
 # Command-line spelling of each test setting (for the refusal line).
@@ -95,6 +95,26 @@ def _attempts(registry, cell_key) -> list[dict]:
     return [dict(a) for a in lookup(cell_key) or []]
 
 
+def _attempts_into(out: dict, registry, entry: dict) -> str | None:
+    """Record the attempts on a confirmed cell's identity; why the cell is not confirmed when the
+    registry's cell record is damaged or holds no confirmation of this plan (deleted, or a
+    partial registry wipe), else None."""
+    key = entry["cell_key"]
+    try:
+        attempts = out["cell_attempts"][key] = _attempts(registry, key)
+    except ProtocolError as exc:
+        out["cell_attempts"][key] = []
+        return f"registry record of cell {entry['cell_id']} unreadable: {exc}"
+    if getattr(registry, "cell_attempts", None) is None:
+        return None  # a registry without cell records: nothing to check
+    if not any(a.get("status") == "confirmed" and a.get("plan_hash") == entry["plan_hash"]
+               and a.get("cell_id") == entry["cell_id"] for a in attempts):
+        return (f"the registry's record of cell {entry['cell_id']} holds no confirmation of plan "
+                f"{entry['plan_hash'][:12]} (record deleted or replaced; if a confirmation was "
+                "interrupted, rerunning confirm finishes it)")
+    return None
+
+
 def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) -> dict:
     """Plan hashes of the runs, verified ledgers and deviation logs of their confirm directories,
     registered tests, attempts per cell and, per confirm-split run, why it is not a confirmed
@@ -103,8 +123,19 @@ def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) 
     out = {"plan_hashes": sorted({r.plan_hash for r in runs if r.plan_hash}), "confirm_dirs": [],
            "deviations": [], "ledger_cells": [], "warnings": [], "unconfirmed": {},
            "registered_tests": {}, "cell_attempts": {}}
+    foreign: dict = {}  # run id -> why its confirm directory's ledger cannot be verified here
     for d in _find_confirm_dirs(runs, confirm_dirs):
-        conf = read_confirmation(d, registry)  # raises on a tampered ledger or deviation log
+        try:
+            conf = read_confirmation(d, registry)
+        except ProtocolError as exc:
+            if confirmed_in(registry, d):  # this registry confirmed into d: the ledger was tampered
+                raise
+            # Its lines do not verify under this registry's key of the plan and this registry never
+            # confirmed into d: confirmed in another registry; its runs are not confirmed here.
+            why = f"the ledger of {d} does not verify against the registry {registry.root} ({exc})"
+            out["warnings"].append(why)
+            foreign.update({r.run_id: why for r in runs if d in r.path.resolve().parents})
+            continue
         out["confirm_dirs"].append(str(d))
         out["deviations"] += conf["deviations"]
         for entry in conf["cells"]:
@@ -119,17 +150,23 @@ def provenance(runs: list[Run], confirm_dirs, registry: Registry | None = None) 
             if test is not None:
                 out["registered_tests"][entry["plan_hash"]] = test
             if entry.get("cell_key"):
-                out["cell_attempts"][entry["cell_key"]] = _attempts(registry, entry["cell_key"])
+                why = _attempts_into(out, registry, entry)
+                if why is not None:
+                    for info in (entry.get("runs") or {}).values():
+                        out["unconfirmed"].setdefault(str(info.get("run_id")), why)
             if isinstance(runner, dict) and runner.get("registered") is False and not any(
                     dv.get("kind") == "runner" and dv.get("cell_id") == entry["cell_id"]
                     and dv.get("plan_hash") == entry["plan_hash"] for dv in out["deviations"]):
                 out["deviations"].append({"kind": "runner", "cell_id": entry["cell_id"],
                                           "plan_hash": entry["plan_hash"], "spec": runner.get("spec"),
                                           "source": "ledger entry (not in the deviation log)"})
+    ids = {r.run_id for r in runs}
+    flagged = {k: v for k, v in {**out["unconfirmed"], **foreign}.items() if k in ids}  # from the ledgers
+    out["unconfirmed"] = {}
     for run in runs:
         if is_confirm_run(run):
-            why = confirmation_status(run, registry)
-            if why is not None:
+            why = "; ".join(w for w in (confirmation_status(run, registry), flagged.get(run.run_id)) if w)
+            if why:
                 out["unconfirmed"][run.run_id] = why
                 out["warnings"].append(f"UNCONFIRMED {run.path}: {why}")
     return out

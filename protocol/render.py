@@ -16,6 +16,7 @@ from protocol.errors import ProtocolError
 from protocol.io import load_json_object
 
 REPORT_LISTING = "report-files.json"
+INCOMPLETE = "REPORT-INCOMPLETE"  # present only while (or if killed while) a report is written
 
 
 def _fmt_num(x, fmt: str) -> str:
@@ -32,36 +33,47 @@ def _fmt_p(p) -> str:
     return f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}"
 
 
-def _text_table(headers: list[str], rows: list[list[str]]) -> str:
+def _data(row: dict) -> str:
+    """Dataset and split of a row (`math500/dev`, `aime24/confirm`): part of every row's label."""
+    return f"{row.get('dataset') or 'math500'}/{row.get('split')}"
+
+
+def _model(model, quant) -> str:
+    """A model with its quantisation when the run recorded one (`model_quant`, e.g. Q4_K_M)."""
+    return f"{model} ({quant})" if quant else str(model)
+
+
+def _text_table(headers: list[str], rows: list[list[str]], left: int = 2) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.rjust(w) if i > 1 else c.ljust(w)  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) if i >= left else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def terminal_summary(rep) -> str:
     """A compact text table of the arms, one of the comparisons, and one line per diagnostic."""
-    arm_head = ["arm", "model", "budget", "acct", "acc %", "mean cache", "peak", "KiB mean", "out len",
+    arm_head = ["arm", "model", "data", "budget", "acct", "acc %", "mean cache", "peak", "KiB mean", "out len",
                 "trunc %", "KL mean", "top-1 %", "1st div", "tok/s"]
-    arm_body = [[a["label"], a["model"], _fmt_budget(a["budget"]), a["accounting"], f"{100 * a['accuracy']:.1f}",
+    arm_body = [[a["label"], _model(a["model"], a.get("model_quant")), _data(a), _fmt_budget(a["budget"]), a["accounting"], f"{100 * a['accuracy']:.1f}",
                  f"{a['cache_mean_tokens']:.1f}", f"{a['cache_peak_tokens']:.0f}", f"{a['cache_mean_kib']:.0f}",
                  f"{a['mean_output_tokens']:.0f}", f"{100 * a['truncation_rate']:.0f}",
                  _fmt_num(a["kl_mean"], ".4f"), _fmt_num(100 * a["top1_agreement"], ".1f"),
                  _fmt_num(a["first_divergence_median"], ".0f"), f"{a['tokens_per_second']:.1f}"]
                 for a in rep.arms]
-    head = ["model", "budget", "treatment vs baseline", "acct", "acc T", "acc B", "Δ pp",
+    head = ["model", "data", "budget", "treatment vs baseline", "acct", "acc T", "acc B", "Δ pp",
             "95% CI", "p", "p_bonf", "verdict", "n", "k"]
-    body = [[r["model"], _fmt_budget(r["budget"]), f"{r['treatment']} vs {r['baseline']}",
+    body = [[_model(r["model"], r.get("t_model_quant")), _data(r), _fmt_budget(r["budget"]),
+             f"{r['treatment']} vs {r['baseline']}",
              r["accounting"], f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
              f"{r['delta_pp']:+.2f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
              _fmt_p(r["p_bootstrap"]), _fmt_p(r["p_bonferroni"]), r["verdict"], str(r["n"]),
              str(r["k"])] for r in rep.comparisons]
-    out = [*unconfirmed_banner(rep), _text_table(arm_head, arm_body), "",
-           _text_table(head, body), *test_lines(rep)]
+    out = [*unconfirmed_banner(rep), _text_table(arm_head, arm_body, left=3), "",
+           _text_table(head, body, left=3), *test_lines(rep)]
     for r in rep.comparisons:
         if r["confirmation"] not in ("dev", "confirmed"):
-            out.append(f"status {r['model']}/{_fmt_budget(r['budget'])} {r['treatment']} vs "
-                       f"{r['baseline']}: {r['confirmation']}")
+            out.append(f"status {_where(r)} {r['treatment']} vs {r['baseline']}: {r['confirmation']}")
+    out += code_lines(rep)
     for a in rep.accounting:
         out.append(f"iso-cache {a['model']}/{_fmt_budget(a['budget'])} {a['treatment']} vs "
                    f"{a['baseline']}: Δ {a['delta_prefill_pp']:+.2f} pp under prefill, "
@@ -83,6 +95,21 @@ def terminal_summary(rep) -> str:
                    f"{len(prov['deviations'])} deviation(s) logged")
     out += [f"note: {n}" for n in rep.notes]
     return "\n".join(out)
+
+
+def _where(r: dict) -> str:
+    return f"{r['model']}/{_data(r)}/{_fmt_budget(r['budget'])}"
+
+
+def code_lines(rep) -> list[str]:
+    """The code version of the arms: one line when every arm ran on the same committed code, else
+    one line per comparison naming both arms' versions and what is wrong."""
+    versions = {v for r in rep.comparisons for v in (r.get("t_code_version"), r.get("b_code_version"))}
+    if not any(r.get("code_flag") for r in rep.comparisons):
+        return [f"code: {versions.pop()} (every arm)"] if len(versions) == 1 and None not in versions else []
+    return [f"code {_where(r)} {r['treatment']} vs {r['baseline']}: treatment {r.get('t_code_version')}, "
+            f"baseline {r.get('b_code_version')}" + (f" <- {r['code_flag']}" if r.get("code_flag") else "")
+            for r in rep.comparisons]
 
 
 def tests_used(rep) -> list[dict]:
@@ -146,7 +173,8 @@ def _tabular(caption: str, label: str, spec: str, header: list[str], rows: list[
 
 def to_latex(rep) -> str:
     """LaTeX tables (booktabs rules only: \\toprule, \\midrule, \\bottomrule)."""
-    main = [[tex_escape(r["model"]), _fmt_budget(r["budget"]), tex_escape(r["treatment"]),
+    main = [[tex_escape(_model(r["model"], r.get("t_model_quant"))), tex_escape(_data(r)),
+             _fmt_budget(r["budget"]), tex_escape(r["treatment"]),
              tex_escape(r["baseline"]), tex_escape(r["accounting"]),
              f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
              f"{r['delta_pp']:+.1f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
@@ -160,20 +188,21 @@ def to_latex(rep) -> str:
                           f"Bonferroni over $m={t['m']}$ cells at $\\alpha={t['alpha']}$" for t in tests)
     out = ["% Generated by `retention report`; needs \\usepackage{booktabs}.",
            _tabular(f"Paired accuracy per cell (cluster bootstrap over problems; {described}).",
-                    "tab:retention-main", "lllllrrrccrrlrr",
-                    ["Model", "Budget", "Treatment", "Baseline", "Acct.", "Acc.~T (\\%)",
+                    "tab:retention-main", "llllllrrrccrrlrr",
+                    ["Model", "Data", "Budget", "Treatment", "Baseline", "Acct.", "Acc.~T (\\%)",
                      "Acc.~B (\\%)", "$\\Delta$ (pp)", "95\\% CI",
                      level, "$p$", "$p_{\\mathrm{Bonf}}$", "Verdict", "$k$", "$n$"],
                     main)]
-    arms = [[tex_escape(a["model"]), _fmt_budget(a["budget"]), tex_escape(a["label"]),
+    arms = [[tex_escape(_model(a["model"], a.get("model_quant"))), tex_escape(_data(a)),
+             _fmt_budget(a["budget"]), tex_escape(a["label"]),
              tex_escape(a["accounting"]), f"{100 * a['accuracy']:.1f}",
              _tex_num(a["cache_mean_tokens"], ".0f"), _tex_num(a["cache_peak_tokens"], ".0f"),
              _tex_num(a["kib_per_token"], ".1f"), _tex_num(a["mean_output_tokens"], ".0f"),
              _tex_num(100 * a["truncation_rate"], ".1f"), str(a["budget_exceeded"])]
             for a in rep.arms]
     out.append(_tabular("Measured cache and generation per arm.", "tab:retention-arms",
-                        "llllrrrrrrr",
-                        ["Model", "Budget", "Arm", "Acct.", "Acc. (\\%)", "Mean cache",
+                        "lllllrrrrrrr",
+                        ["Model", "Data", "Budget", "Arm", "Acct.", "Acc. (\\%)", "Mean cache",
                          "Peak cache", "KiB/token", "Mean len.", "Trunc. (\\%)", "Exceeded"], arms))
     if rep.accounting:
         acc = [[tex_escape(a["model"]), _fmt_budget(a["budget"]), tex_escape(a["treatment"]),
@@ -206,6 +235,14 @@ def to_latex(rep) -> str:
         out.append(_tabular(cap, "tab:retention-proxy", "llllrrr",
                             ["Model", "Budget", "Arm", "Acct.", "Acc. (\\%)", "KL", "Top-1 agr."],
                             body))
+    flagged = [r for r in rep.comparisons if r.get("code_flag")]
+    if flagged:
+        out.append("\\paragraph{Code.} " + " ".join(
+            f"{tex_escape(r['model'])}/{tex_escape(_data(r))}/{_fmt_budget(r['budget'])} "
+            f"{tex_escape(r['treatment'])} vs {tex_escape(r['baseline'])}: treatment "
+            f"\\texttt{{{tex_escape(r.get('t_code_version'))}}}, baseline "
+            f"\\texttt{{{tex_escape(r.get('b_code_version'))}}} ({tex_escape(r['code_flag'])})." for r in flagged))
+        out.append("")
     prov = rep.provenance
     if prov.get("unconfirmed"):
         out.append("\\begin{center}\\fbox{\\Large\\textbf{UNCONFIRMED: "
@@ -230,8 +267,11 @@ def write_report(rep, out_dir) -> list[Path]:
     """Write CSVs, LaTeX, JSON and figures into out_dir (each file replaced atomically).
 
     `report-files.json` lists what was written; files of an earlier report into the same folder
-    that this one does not write (a figure of a cell no longer present) are removed, so the folder
-    never mixes two reports. Files the report did not write are never touched.
+    that this one does not write (a figure of a cell no longer present) are removed, so a finished
+    report never mixes two. Files the report did not write are never touched. While it writes,
+    `REPORT-INCOMPLETE` says so and the listing (`"complete": false`) already names each file
+    before it is written: a report killed half-way is marked, and the next one removes what the
+    killed one left.
     """
     import pandas as pd
 
@@ -246,9 +286,14 @@ def write_report(rep, out_dir) -> list[Path]:
             previous = [str(n) for n in load_json_object(listing, "report listing").get("files", [])]
         except ProtocolError:
             previous = []
+    write_atomic(out_dir / INCOMPLETE, "retention report is writing this folder (or was killed while "
+                                       "writing it): its files may mix two reports; rerun the report.\n")
     written = []
 
     def put(name: str, data: str | bytes) -> None:
+        # write-ahead: the listing names the file before it exists, so a rerun can remove it
+        pending = sorted({*previous, INCOMPLETE, *(p.name for p in written), name})
+        write_atomic(listing, dumps({"files": pending, "complete": False}, indent=1) + "\n")
         write_atomic(out_dir / name, data)
         written.append(out_dir / name)
 
@@ -268,13 +313,13 @@ def write_report(rep, out_dir) -> list[Path]:
         put(name, png)
     rep.notes += [f"figure {n}" for n in figure_notes if f"figure {n}" not in rep.notes]
     names = {p.name for p in written}
-    for stale in sorted(set(previous) - names):
+    for stale in sorted(set(previous) - names - {INCOMPLETE}):
         path = out_dir / Path(stale).name  # names only: never a path outside out_dir
         if path.is_file():
             path.unlink()
     write_atomic(listing, dumps({"files": sorted(names)}, indent=1) + "\n")
+    (out_dir / INCOMPLETE).unlink()
     return [*written, listing]
-
 
 
 def json_safe(obj):

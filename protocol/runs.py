@@ -255,7 +255,8 @@ def pair_runs(treatment: Run, baseline: Run) -> stats.PairedData:
 def assign_labels(runs: list[Run]) -> None:
     """Label = scorer + the declared parameters that differ between runs of that scorer (never a
     path, never the statistics: each model has its own). Only where two runs of one cell would
-    still share label and accounting mode is a short statistics hash added, else a config hash."""
+    still share label and accounting mode is a short statistics hash added, else the plan hash
+    (runs of two plans), else a config hash."""
     by_scorer: dict = {}
     for run in runs:
         by_scorer.setdefault(run.scorer, []).append(declared_params(run.config))
@@ -271,6 +272,12 @@ def assign_labels(runs: list[Run]) -> None:
         if None not in hashes and len(set(hashes)) == len(group):
             for run, digest in zip(group, hashes):
                 run.label_parts.append(f"stats={digest[:8]}")
+                _set_label(run)
+    for group in _collisions(runs):  # arms of two plans (a joint report of confirm directories)
+        plans = [r.plan_hash for r in group]
+        if None not in plans and len(set(plans)) == len(group):
+            for run in group:
+                run.label_parts.append(f"plan={run.plan_hash[:8]}")
                 _set_label(run)
     for group in _collisions(runs):
         for run in group:

@@ -21,6 +21,9 @@ def agree_command(run_a, run_b, as_json):
     from retention.runs.engines.agreement import compare_records, config_differences, summarize, verdict
 
     a, b = load_run(run_a, grade=_no_grade), load_run(run_b, grade=_no_grade)
+    if run_a.resolve() == run_b.resolve() or a.config == b.config:
+        raise RetentionError(f"{run_a} and {run_b} are the same run (one configuration, one engine): "
+                             "agreement compares the runs of two engines")
     differ = config_differences(a.config, b.config)
     if differ:
         raise RetentionError(f"{run_a.name} and {run_b.name} are not the same experiment: they differ in {differ}")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from protocol.errors import ProtocolError
 
@@ -99,6 +100,13 @@ def stats_cmd(file, treatment, baseline, cluster, sample, boot, boot_max, seed, 
     """Paired test of TREATMENT vs BASELINE columns of FILE.csv, clustered by problem."""
     from protocol import stats
 
+    if treatment == baseline:
+        raise ProtocolError(f"--treatment and --baseline both name the column {treatment!r}: "
+                             "a paired test needs two arms")
+    given_max = click.get_current_context().get_parameter_source("boot_max") is not ParameterSource.DEFAULT
+    if given_max and boot_max < boot:
+        raise ProtocolError(f"--boot-max {boot_max} is below --boot {boot}: the escalated resamples "
+                             "cannot be fewer than the first ones")
     cols = _read_csv_columns(file, [cluster, treatment, baseline] + ([sample] if sample else []))
     data = stats.paired_from_long(cols[cluster], _outcomes(cols[treatment], treatment),
                                   _outcomes(cols[baseline], baseline),

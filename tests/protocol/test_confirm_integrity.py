@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol import confirmation, io, ledger, plans, prereg, report
+from protocol import chain, confirmation, io, ledger, plans, prereg, report
 from protocol.errors import ProtocolError
 from tests.protocol.test_prereg import MANIFEST, FakeRunner, _log, new_plan, run_confirm
 
@@ -185,7 +185,7 @@ class Killer:
                 raise Killed  # an atomic replace killed midway leaves the old file
             return real_atomic(path, data)
 
-        for mod in (io, ledger, prereg, plans, confirmation):
+        for mod in (io, chain, ledger, prereg, plans, confirmation):
             if hasattr(mod, "append_line"):
                 monkeypatch.setattr(mod, "append_line", append_line)
             if hasattr(mod, "write_atomic"):

@@ -199,8 +199,9 @@ class FakeRegistry(ledger.Registry):
         return self.attempts.get(cell_key, [])
 
 
-def _with_cell_fields(monkeypatch, runner=None):
-    """Ledger cells as the prereg side writes them: a cell_key (and a runner when given)."""
+def _with_cell_fields(monkeypatch, runner=None, fake_keys=True):
+    """Ledger cells with a cell_key (`fake_keys`: one a fake registry knows) and a runner when
+    given. Returns the unpatched reader."""
     from protocol import provenance
 
     real = provenance.read_confirmation
@@ -208,17 +209,21 @@ def _with_cell_fields(monkeypatch, runner=None):
     def patched(d, registry=None):
         conf = real(d, registry)
         for cell in conf["cells"]:
-            cell["cell_key"] = _sha(cell["cell_id"])
+            if fake_keys:
+                cell["cell_key"] = _sha(cell["cell_id"])
             if runner is not None:
                 cell["runner"] = runner
         return conf
 
     monkeypatch.setattr(provenance, "read_confirmation", patched)
+    return real
 
 
 def test_cells_confirmed_more_than_once_and_started_attempts_are_shown(confirmed, monkeypatch):
+    from protocol import provenance
+
     out, h = confirmed
-    _with_cell_fields(monkeypatch)
+    real = _with_cell_fields(monkeypatch)
     key = _sha("qwen-1.5b@b256")
     def attempt(plan, status, day, supersedes=None, reason=None):
         return {"plan_hash": plan, "cell_id": "qwen-1.5b@b256", "status": status,
@@ -229,7 +234,10 @@ def test_cells_confirmed_more_than_once_and_started_attempts_are_shown(confirmed
     attempts = {key: [attempt("1" * 64, "started", 1), attempt("1" * 64, "confirmed", 1),
                       attempt(h, "started", 2, ["1" * 64], "new code"),
                       attempt(h, "confirmed", 2, ["1" * 64], "new code"),
-                      attempt("2" * 64, "started", 3, [h], "again")]}
+                      attempt("2" * 64, "started", 3, [h], "again")],
+                # the other cell's record, as confirm wrote it (none: the report reads UNCONFIRMED)
+                _sha("qwen-1.5b@b512"): [dict(attempt(h, s, 2), cell_id="qwen-1.5b@b512")
+                                         for s in ("started", "confirmed")]}
     rep = report.build_report([out / "runs"], registry=FakeRegistry(attempts))
     rows = {r["budget"]: r for r in rep.comparisons}
     assert rows[512]["confirmation"] == "confirmed"
@@ -238,13 +246,14 @@ def test_cells_confirmed_more_than_once_and_started_attempts_are_shown(confirmed
     assert "1 attempt(s) started, not finished (plan 222222222222" in text and "reason 'again'" in text
     assert "REPEATED" in report.terminal_summary(rep)
     assert rep.provenance["cell_attempts"][key] == attempts[key]
-    # a registry without attempts (before the prereg side provides them): nothing breaks
+    # the registry confirm really wrote: one confirmation per cell
+    monkeypatch.setattr(provenance, "read_confirmation", real)
     assert report.build_report([out / "runs"]).comparisons[0]["confirmation"] == "confirmed"
 
 
 def test_an_unregistered_runner_is_a_deviation_never_plainly_confirmed(confirmed, monkeypatch):
     out, h = confirmed
-    _with_cell_fields(monkeypatch, runner={"spec": "evil:flip", "registered": False})
+    _with_cell_fields(monkeypatch, runner={"spec": "evil:flip", "registered": False}, fake_keys=False)
     rep = report.build_report([out / "runs"])
     kinds = [d["kind"] for d in rep.provenance["deviations"]]
     assert kinds.count("runner") == 2  # one per cell, synthesized when the log lacks it
