@@ -42,6 +42,24 @@ def current_code_version() -> str:
     return f"{__version__}+g{sha}{'.dirty' if dirty else ''}"
 
 
+def tree_is_dirty() -> bool:
+    """Whether this checkout has uncommitted changes to tracked files (False outside a git checkout:
+    an installed package is whatever version it was built from)."""
+    return current_code_version().endswith(".dirty")
+
+
+def _dirty_tree_deviation(allow_dirty: bool) -> list[tuple[str, dict]]:
+    """Refuse to confirm from a tree with uncommitted changes (the code that ran could not be named
+    by a commit), or, with --allow-dirty, the deviation every confirmed cell records."""
+    if not tree_is_dirty():
+        return []
+    if not allow_dirty:
+        raise click.ClickException("the source tree has uncommitted changes: commit them (the ledger names the "
+                                   "code by its commit), or pass --allow-dirty to confirm anyway as a logged "
+                                   "deviation")
+    return [("dirty_tree", {"code_version": current_code_version()})]
+
+
 def _parse_value(text: str):
     """JSON when it parses (numbers, true, null, objects), else the plain string."""
     try:
@@ -218,8 +236,11 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
 @click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
               help="Only generate shard I of N of the cells' pairs (no ledger entry); a final run without "
                    "--shard merges the shards and confirms. auto: from Slurm or RANK/WORLD_SIZE.")
+@click.option("--allow-dirty", is_flag=True,
+              help="Confirm from a source tree with uncommitted changes (refused otherwise); logged as a "
+                   "dirty_tree deviation of every cell.")
 def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
-                config_schema, runner_spec, splits_dir, shard_text):
+                config_schema, runner_spec, splits_dir, shard_text, allow_dirty):
     """Run a registered plan's cells on the confirm split and record them in the ledger.
 
     Each cell is recorded as started in the registry before its first generation (a shard too),
@@ -251,8 +272,9 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
                                overrides=override_map, reason=reason, manifest_hash=manifest_hash,
                                validate=validate_confirm_arm, log=click.echo)
         return
+    dirty = _dirty_tree_deviation(allow_dirty)  # the shards' records are confirmed by this run
     entries = prereg.confirm(
-        plan_path, out, runner, manifest_hash=manifest_hash,
+        plan_path, out, runner, manifest_hash=manifest_hash, deviations=dirty,
         validate=validate_confirm_arm, runner_spec=spec,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
