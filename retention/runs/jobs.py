@@ -70,7 +70,10 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     arms = []
     for name, config, params, cadence in arm_specs:
         prompt = {} if loaded.prompt == "chat" else {"prompt": loaded.prompt}
-        config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **(extra_config or {}))
+        # Absent for a model that is not a GGUF file: those configurations keep their hash.
+        quant = {} if loaded.quant is None else {"model_quant": loaded.quant}
+        config = dict(config, model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **quant,
+                      **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, config, shard), name, params, cadence))
     if explores:
         _record_exploration(dataset, problems, [a.run.hash for a in arms])

@@ -17,7 +17,7 @@ from protocol.io import load_json_object, read_jsonl
 from retention.errors import RetentionError
 
 # Keys `execute` adds to a configuration after validation (from the loaded model).
-_LOADED_KEYS = ("model_id", "model_revision", "prompt")
+_LOADED_KEYS = ("model_id", "model_revision", "prompt", "model_quant")
 
 
 def token_digest(token_ids: list[int]) -> str:
