@@ -185,7 +185,10 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
         from retention.runs.confirm_inputs import load_runner
 
         load_runner(runner_spec)  # a runner that cannot run is refused now, not at confirm
-    plan = prereg.build_plan(
+    from retention.runs.identity import canonical_plan
+
+    # Models by content and arms fully resolved: two spellings of one cell are one cell.
+    plan = canonical_plan(
         models=models, budgets=[_budget(b) for b in budgets],
         treatment=treatment, baseline=baseline, k=samples, seed=seed,
         max_new_tokens=max_new_tokens, manifest_hash=manifest,
@@ -273,14 +276,50 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
                                validate=validate_confirm_arm, log=click.echo)
         return
     dirty = _dirty_tree_deviation(allow_dirty)  # the shards' records are confirmed by this run
+    canonical = _check_canonical_repeats(plan, h, cells)
     entries = prereg.confirm(
         plan_path, out, runner, manifest_hash=manifest_hash, deviations=dirty,
         validate=validate_confirm_arm, runner_spec=spec,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         cells=list(cells) or None, overrides=override_map, reason=reason, log=click.echo)
+    _record_canonical(canonical, entries, h, out)
     click.echo(f"{len(entries)} cell(s) confirmed under plan {h[:12]}; ledger: "
                f"{prereg.ledger_path(out)}")
+
+
+def _check_canonical_repeats(plan: dict, h: str, cells) -> dict[str, str]:
+    """A plan registered before plans were canonical (`retention.runs.identity`) may name a cell that
+    another plan confirmed under its canonical identity: refused as a repeat. Returns {cell id:
+    canonical key} of the cells to confirm whose canonical identity differs from the registered one."""
+    from protocol.ledger import Registry
+    from protocol.plans import superseded_plans
+
+    from retention.runs.identity import canonical_cell_keys
+
+    keys = {c: k for c, k in canonical_cell_keys(plan).items() if not cells or c in cells}
+    registry = Registry()
+    for cid, key in keys.items():
+        others = [a for a in registry.cell_attempts(key) if a["plan_hash"] != h]
+        covered = superseded_plans(plan, others)
+        done = [a for a in others if a["status"] == "confirmed" and a["plan_hash"] not in covered]
+        if done:
+            raise click.ClickException(f"cell {cid} was already confirmed under plan {done[-1]['plan_hash'][:12]} "
+                                       f"(in {done[-1]['out_dir']}), spelled differently: one confirmation per cell")
+    return keys
+
+
+def _record_canonical(keys: dict[str, str], entries: list[dict], h: str, out: Path) -> None:
+    """Record the confirmed cells of a plan registered before plans were canonical under their canonical
+    identity too, so that a canonical plan of the same cell is refused."""
+    from protocol.ledger import Registry
+
+    registry = Registry()
+    for entry in entries:
+        key = keys.get(entry.get("cell_id"))
+        if key is not None:
+            registry.record_attempt(key, plan_hash=h, cell_id=entry["cell_id"], status="confirmed",
+                                    out_dir=str(Path(out).resolve()))
 
 
 # --------------------------------------------------------------------------------------------------
