@@ -181,10 +181,11 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
                                    f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
     treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
     baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
+    sources = None
     if runner_spec is not None:
-        from retention.runs.confirm_inputs import load_runner
+        from retention.runs.confirm_inputs import runner_sources
 
-        load_runner(runner_spec)  # a runner that cannot run is refused now, not at confirm
+        sources = runner_sources(runner_spec)  # loads it: a runner that cannot run is refused now, not at confirm
     from retention.runs.identity import canonical_plan
 
     # Models by content and arms fully resolved: two spellings of one cell are one cell.
@@ -196,7 +197,7 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
         boot_seed=boot_seed, alpha=alpha, m=m, test=test,
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         model_revisions={k: str(v) for k, v in _key_values(model_revision, "--model-revision").items()},
-        note=note, dataset=dataset, runner=runner_spec, supersedes=supersedes, reason=reason)
+        note=note, dataset=dataset, runner=runner_spec, runner_sources=sources, supersedes=supersedes, reason=reason)
     # Each arm of each cell exactly as `run` would validate it; the calibration statistics each
     # resolves to are recorded by content, per cell (each model has its own).
     plan = prereg.with_cell_stats(plan, validate_plan(plan))
@@ -259,6 +260,9 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     override_map = _key_values(overrides, "--override") or None
     out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
     runner, spec = resolve_runner(runner_spec, plan)
+    from retention.runs.confirm_inputs import check_runner_sources
+
+    check_runner_sources(plan, runner_spec)  # the registered runner's code, as registered
     if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
     # The split manifest these problems come from (--splits-dir's), checked against the plan's on

@@ -57,3 +57,36 @@ def test_a_clean_tree_logs_no_dirty_deviation(tmp_path):
     assert res.exit_code == 0, res.output
     path = prereg.deviations_path(out)
     assert not path.exists() or "dirty_tree" not in path.read_text()
+
+
+RUNNER_CODE = '''
+from tests.protocol.test_prereg import FakeRunner
+
+
+def run(cell, arm, cfg, out_dir):
+    return FakeRunner()(cell, arm, cfg, out_dir)
+'''
+
+
+def test_a_registered_runner_whose_code_changed_is_refused(tmp_path, monkeypatch):
+    import sys
+
+    folder = tmp_path / "lab"
+    folder.mkdir()
+    (folder / "myrunner.py").write_text(RUNNER_CODE)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "myrunner", raising=False)
+    res = _cli(["preregister", "--out", str(tmp_path), "--model", "tiny-random", "--budget", "256",
+                "--treatment-set", "scorer=rkv", "--baseline-set", "scorer=streaming", "-k", "1",
+                "--max-new-tokens", "16", "--code-version", "0.1.0+gtest", "--runner", "myrunner:run"])
+    assert res.exit_code == 0, res.output
+    (plan,) = tmp_path.glob("plan-*.json")
+    assert set(prereg.load_plan(plan)[0]["runner_sources"]) == {"myrunner.py"}
+    (folder / "myrunner.py").write_text(RUNNER_CODE + "# now it does something else\n")
+    out = tmp_path / "confirm"
+    res = _cli(["confirm", "--plan", str(plan), "--out", str(out), "--code-version", "0.1.0+gtest"])
+    assert res.exit_code == 1 and "the registered runner myrunner:run changed since registration" in res.output
+    assert "runner_sources.myrunner.py differ" in res.output and not out.exists()
+    (folder / "myrunner.py").write_text(RUNNER_CODE)  # as registered: confirms
+    res = _cli(["confirm", "--plan", str(plan), "--out", str(out), "--code-version", "0.1.0+gtest"])
+    assert res.exit_code == 0, res.output
