@@ -132,11 +132,9 @@ def _problems(config: dict, splits_dir) -> dict:
     return {p.unique_id: p for p in problems}
 
 
-def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = None, splits_dir=None,
-              progress=None) -> Reproduction:
-    """Decode the first `limit` records of `run_dir` (all when None) again and compare their tokens.
-
-    progress(check): called after each record's comparison (for printing as it goes)."""
+def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = None,
+              splits_dir=None) -> Reproduction:
+    """Decode the first `limit` records of `run_dir` (all when None) again and compare their tokens."""
     from retention.models import format_prompt, load_model
     from retention.models.arch.deepseek import on_reference_mla
     from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed
@@ -144,6 +142,7 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
     from retention.runtime.policy import RetentionPolicy
     from retention.scorers import make_scorer
 
+    current_code = code_version()  # now: the code imported is the code of the start, not of the end
     run_dir = Path(run_dir)
     meta = load_json_object(run_dir / "config.json", "run configuration")
     config = meta.get("config")
@@ -190,12 +189,7 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
 
         run_engine(loaded.model, reqs, policy, sampling, _eos_ids(loaded), loaded.geometry.kib_per_token,
                    batch_size=slots, fidelity=bool(config.get("fidelity", False)), on_finish=on_finish)
-    checks = []
-    for r in records:
-        check = RecordCheck(r["problem_id"], r["sample"], tuple(r["output_token_ids"]),
-                            tuple(got[(r["problem_id"], r["sample"])]))
-        checks.append(check)
-        if progress is not None:
-            progress(check)
+    checks = [RecordCheck(r["problem_id"], r["sample"], tuple(r["output_token_ids"]),
+                          tuple(got[(r["problem_id"], r["sample"])])) for r in records]
     return Reproduction(run_dir, meta["config_hash"], loaded.revision, str(meta.get("code_version")),
-                        code_version(), tuple(checks))
+                        current_code, tuple(checks))
