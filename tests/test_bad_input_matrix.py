@@ -54,6 +54,7 @@ BASE = {
     ("conformance",): [],
     ("merge",): ["in/runs", "--out", "out/merged"],
     ("check-scorer",): ["streaming", "--context", "0"],
+    ("reproduce",): ["in/run_a", "--limit", "1"],
 }
 
 # Known-bad values of free-form string options, per (command, option) or option.
