@@ -100,7 +100,8 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner, *, manifest_hash: st
             code_version: str | None = None, config_schema: int = CONFIG_SCHEMA_VERSION,
             cells: Iterable[str] | None = None, overrides: dict | None = None, reason: str | None = None,
             grade=None, validate: Callable[[dict], None] | None = None, registry: Registry | None = None,
-            log: Callable[[str], None] | None = None, runner_spec: str | None = None) -> list[dict]:
+            log: Callable[[str], None] | None = None, runner_spec: str | None = None,
+            deviations: Iterable[tuple[str, dict]] = ()) -> list[dict]:
     """Run the plan's cells on the confirm split and record each finished cell, once per cell.
 
     plan_path: a registered plan file; out_dir: the confirmation directory (ledger.jsonl,
@@ -114,7 +115,8 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner, *, manifest_hash: st
     raises is an input error, never a crash deviation (so is a `ProtocolError` raised by the
     runner). registry: the user-level registry (default: `protocol.ledger.Registry()`).
     runner_spec: MODULE:FUNCTION of `runner`, recorded in the ledger; one the plan did not register
-    is a "runner" deviation of each cell (None: the plan's registered runner). A refused
+    is a "runner" deviation of each cell (None: the plan's registered runner). deviations: (kind,
+    detail) pairs the caller logs for each cell (e.g. a source tree with uncommitted changes). A refused
     confirmation leaves no folder behind that it created. Returns the entries written.
     """
     say = log or (lambda _msg: None)
@@ -156,7 +158,7 @@ def confirm(plan_path: Path, out_dir: Path, runner: Runner, *, manifest_hash: st
     try:
         with registry.lock(h), exclusive_lock(out_dir / ".confirm.lock", "confirm"):
             return _confirm_cells(plan, h, plan_path, out_dir, runner, wanted, by_id, configs, overrides,
-                                  reason, code_version, grade, registry, used_runner, say)
+                                  reason, code_version, grade, registry, used_runner, say, list(deviations))
     except ProtocolError:
         _remove_if_untouched(out_dir, created)
         raise
@@ -175,7 +177,7 @@ def _remove_if_untouched(out_dir: Path, created: list[Path]) -> None:
 
 
 def _confirm_cells(plan, h, plan_path, out_dir, runner, wanted, by_id, configs, overrides, reason,
-                   code_version, grade, registry, used_runner, say) -> list[dict]:
+                   code_version, grade, registry, used_runner, say, extra_deviations=()) -> list[dict]:
     books = _Books.open(registry, h, plan, plan_path, out_dir)
     done = books.sync()
     if wanted is not None:
@@ -223,6 +225,8 @@ def _confirm_cells(plan, h, plan_path, out_dir, runner, wanted, by_id, configs, 
         if late:  # the plan file's registered_at is a claim: the registry first saw it at confirm
             dev_ids.append(deviate("registered_at_confirm", cid, {"planned": claimed,
                                                                   "actual": registration.get("at")}))
+        for kind, detail in extra_deviations:
+            dev_ids.append(deviate(kind, cid, detail))
         if not used_runner["registered"]:
             dev_ids.append(deviate("runner", cid, {"planned": plan.get("runner", DEFAULT_RUNNER_SPEC),
                                                    "actual": used_runner["spec"]}))

@@ -108,11 +108,12 @@ def build_plan(*, models: Iterable[str], budgets: Iterable[int | None], treatmen
                model_revisions: dict | None = None, note: str | None = None,
                dataset: str = DEFAULT_DATASET, runner: str | None = None,
                supersedes: Iterable[str] | None = None, reason: str | None = None,
-               n_confirm: int | None = None) -> dict:
+               n_confirm: int | None = None, runner_sources: dict | None = None) -> dict:
     """The plan body (the part that is hashed); cells are the product models x budgets.
 
     dataset: stored only when not the default (math500). runner: a registered MODULE:FUNCTION
-    generation runner (None: the built-in one). supersedes: hashes (or prefixes of at least 12
+    generation runner (None: the built-in one); runner_sources: {file: sha256} of its code, stored
+    with it so that a changed runner can be refused at confirm. supersedes: hashes (or prefixes of at least 12
     hex digits) of plans that already confirmed or started cells of this one, with the `reason`.
     n_confirm: problems in the confirm split (default: known for math500), to refuse limits that
     leave a cell without pairs."""
@@ -175,6 +176,8 @@ def build_plan(*, models: Iterable[str], budgets: Iterable[int | None], treatmen
         plan["dataset"] = dataset
     if runner is not None:
         plan["runner"] = runner
+        if runner_sources:
+            plan["runner_sources"] = dict(runner_sources)
     if supersedes:
         plan["supersedes"] = {"plans": supersedes, "reason": reason.strip()}
     if note:

@@ -145,13 +145,34 @@ def source_files(cls: type) -> tuple[Path, list[Path]]:
         return Path(), []  # defined in a notebook or an interactive session: `class_identity` hashes its source
     file = file.resolve()
     if module.__name__.startswith("retention_plugin_") or not getattr(module, "__package__", ""):
-        return file.parent, [file]
+        return file.parent, helper_files(file)
     folder = file.parent
     files = sorted(p for p in folder.rglob("*.py") if "__pycache__" not in p.parts)
     if len(files) > MAX_SOURCE_FILES:
         raise RetentionError(f"scorer plugin package {folder} has {len(files)} Python files; a plugin's own "
                              f"package should be small (at most {MAX_SOURCE_FILES})")
     return folder.parent, files
+
+
+def helper_files(file: Path) -> list[Path]:
+    """A lone module or file plugin and every module imported so far from its folder or below it
+    (a helper beside it changes the plugin as much as the plugin's own file), except modules of
+    installed distributions and of this project (a checkout's own packages: their code is the code
+    version). Imports a plugin makes only later, while decoding, are not seen."""
+    folder = file.parent
+    skip = set(metadata.packages_distributions()) | {"retention", "protocol"}
+    files = {file}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not path or name.partition(".")[0] in skip or not path.endswith(".py"):
+            continue
+        path = Path(path).resolve()
+        if folder in path.parents:
+            files.add(path)
+    if len(files) > MAX_SOURCE_FILES:
+        raise RetentionError(f"scorer plugin {file} has {len(files)} Python files loaded from {folder}; a plugin's "
+                             f"own sources should be few (at most {MAX_SOURCE_FILES})")
+    return sorted(files)
 
 
 def class_identity(cls: type, spec: str) -> dict:

@@ -41,3 +41,13 @@ def smollm() -> LoadedModel:
 def _private_state_dir(tmp_path_factory, monkeypatch):
     """Every test gets its own registry of plans and confirmations (never the user's)."""
     monkeypatch.setenv("RETENTION_STATE_DIR", str(tmp_path_factory.mktemp("state")))
+
+
+@pytest.fixture(autouse=True)
+def _clean_tree(monkeypatch):
+    """`confirm` refuses a checkout with uncommitted changes; a test's confirmations are of its own
+    temporary plans, so they do not depend on the state of the checkout the suite runs from (the
+    refusal itself is tested with the state set explicitly)."""
+    from retention.cli import protocol_cmds
+
+    monkeypatch.setattr(protocol_cmds, "tree_is_dirty", lambda: False)

@@ -55,6 +55,7 @@ BASE = {
     ("merge",): ["in/runs", "--out", "out/merged"],
     ("check-scorer",): ["streaming", "--context", "0"],
     ("check",): ["state:quant"],
+    ("reproduce",): ["in/run_a", "--limit", "1"],
 }
 
 # Known-bad values of free-form string options, per (command, option) or option.

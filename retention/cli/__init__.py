@@ -36,6 +36,7 @@ _MODULES = (
     "merge_cmd",
     "agree_cmd",
     "check_cmd",
+    "reproduce_cmd",
 )
 DEBUG_ENV = "RETENTION_DEBUG"
 

@@ -83,6 +83,7 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     if text_path is not None and target.exists() and target.resolve() == Path(text_path).resolve():
         raise RetentionError(f"--out {out} is the --text input; refusing to overwrite it")
     check_writable(target, "--out")
+    _refuse_overwriting_other_data(target)
     if text_path is not None:
         text = read_text(Path(text_path), "calibration text")
         source = f"file {Path(text_path).name}"
@@ -102,6 +103,20 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     path = stats.save(target)
     click.echo(f"{path}: {len(ids)} tokens, {stats.meta['geometry']['layers']} layers x "
                f"{stats.meta['geometry']['q_heads']} query heads{what}, sha256 {stats.meta['tokens_sha256'][:12]}")
+
+
+def _refuse_overwriting_other_data(target: Path) -> None:
+    """An existing --out is replaced only when it is a statistics file (a recalibration): anything else
+    (a JSONL data file, say) would be lost to binary statistics."""
+    if not target.is_file():
+        return
+    from retention.runs.arms import check_stats_file
+
+    try:
+        check_stats_file(target)
+    except RetentionError:
+        raise RetentionError(f"--out {target} exists and is not a statistics file; refusing to overwrite it "
+                             "(choose another --out)") from None
 
 
 commands = [calibrate_command]

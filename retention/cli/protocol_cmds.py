@@ -42,6 +42,24 @@ def current_code_version() -> str:
     return f"{__version__}+g{sha}{'.dirty' if dirty else ''}"
 
 
+def tree_is_dirty() -> bool:
+    """Whether this checkout has uncommitted changes to tracked files (False outside a git checkout:
+    an installed package is whatever version it was built from)."""
+    return current_code_version().endswith(".dirty")
+
+
+def _dirty_tree_deviation(allow_dirty: bool) -> list[tuple[str, dict]]:
+    """Refuse to confirm from a tree with uncommitted changes (the code that ran could not be named
+    by a commit), or, with --allow-dirty, the deviation every confirmed cell records."""
+    if not tree_is_dirty():
+        return []
+    if not allow_dirty:
+        raise click.ClickException("the source tree has uncommitted changes: commit them (the ledger names the "
+                                   "code by its commit), or pass --allow-dirty to confirm anyway as a logged "
+                                   "deviation")
+    return [("dirty_tree", {"code_version": current_code_version()})]
+
+
 def _parse_value(text: str):
     """JSON when it parses (numbers, true, null, objects), else the plain string."""
     try:
@@ -163,11 +181,15 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
                                    f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
     treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
     baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
+    sources = None
     if runner_spec is not None:
-        from retention.runs.confirm_inputs import load_runner
+        from retention.runs.confirm_inputs import runner_sources
 
-        load_runner(runner_spec)  # a runner that cannot run is refused now, not at confirm
-    plan = prereg.build_plan(
+        sources = runner_sources(runner_spec)  # loads it: a runner that cannot run is refused now, not at confirm
+    from retention.runs.identity import canonical_plan
+
+    # Models by content and arms fully resolved: two spellings of one cell are one cell.
+    plan = canonical_plan(
         models=models, budgets=[_budget(b) for b in budgets],
         treatment=treatment, baseline=baseline, k=samples, seed=seed,
         max_new_tokens=max_new_tokens, manifest_hash=manifest,
@@ -175,7 +197,7 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
         boot_seed=boot_seed, alpha=alpha, m=m, test=test,
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         model_revisions={k: str(v) for k, v in _key_values(model_revision, "--model-revision").items()},
-        note=note, dataset=dataset, runner=runner_spec, supersedes=supersedes, reason=reason)
+        note=note, dataset=dataset, runner=runner_spec, runner_sources=sources, supersedes=supersedes, reason=reason)
     # Each arm of each cell exactly as `run` would validate it; the calibration statistics each
     # resolves to are recorded by content, per cell (each model has its own).
     plan = prereg.with_cell_stats(plan, validate_plan(plan))
@@ -218,8 +240,11 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
 @click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
               help="Only generate shard I of N of the cells' pairs (no ledger entry); a final run without "
                    "--shard merges the shards and confirms. auto: from Slurm or RANK/WORLD_SIZE.")
+@click.option("--allow-dirty", is_flag=True,
+              help="Confirm from a source tree with uncommitted changes (refused otherwise); logged as a "
+                   "dirty_tree deviation of every cell.")
 def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
-                config_schema, runner_spec, splits_dir, shard_text):
+                config_schema, runner_spec, splits_dir, shard_text, allow_dirty):
     """Run a registered plan's cells on the confirm split and record them in the ledger.
 
     Each cell is recorded as started in the registry before its first generation (a shard too),
@@ -235,6 +260,9 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     override_map = _key_values(overrides, "--override") or None
     out = out or Path("results") / "confirm" / f"plan-{h[:12]}"
     runner, spec = resolve_runner(runner_spec, plan)
+    from retention.runs.confirm_inputs import check_runner_sources
+
+    check_runner_sources(plan, runner_spec)  # the registered runner's code, as registered
     if runner is getattr(jobs, "confirm_runner", None):
         runner = functools.partial(runner, splits_dir=splits_dir)
     # The split manifest these problems come from (--splits-dir's), checked against the plan's on
@@ -251,14 +279,51 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
                                overrides=override_map, reason=reason, manifest_hash=manifest_hash,
                                validate=validate_confirm_arm, log=click.echo)
         return
+    dirty = _dirty_tree_deviation(allow_dirty)  # the shards' records are confirmed by this run
+    canonical = _check_canonical_repeats(plan, h, cells)
     entries = prereg.confirm(
-        plan_path, out, runner, manifest_hash=manifest_hash,
+        plan_path, out, runner, manifest_hash=manifest_hash, deviations=dirty,
         validate=validate_confirm_arm, runner_spec=spec,
         code_version=code_version or current_code_version(),
         config_schema=_runtime_schema() if config_schema is None else config_schema,
         cells=list(cells) or None, overrides=override_map, reason=reason, log=click.echo)
+    _record_canonical(canonical, entries, h, out)
     click.echo(f"{len(entries)} cell(s) confirmed under plan {h[:12]}; ledger: "
                f"{prereg.ledger_path(out)}")
+
+
+def _check_canonical_repeats(plan: dict, h: str, cells) -> dict[str, str]:
+    """A plan registered before plans were canonical (`retention.runs.identity`) may name a cell that
+    another plan confirmed under its canonical identity: refused as a repeat. Returns {cell id:
+    canonical key} of the cells to confirm whose canonical identity differs from the registered one."""
+    from protocol.ledger import Registry
+    from protocol.plans import superseded_plans
+
+    from retention.runs.identity import canonical_cell_keys
+
+    keys = {c: k for c, k in canonical_cell_keys(plan).items() if not cells or c in cells}
+    registry = Registry()
+    for cid, key in keys.items():
+        others = [a for a in registry.cell_attempts(key) if a["plan_hash"] != h]
+        covered = superseded_plans(plan, others)
+        done = [a for a in others if a["status"] == "confirmed" and a["plan_hash"] not in covered]
+        if done:
+            raise click.ClickException(f"cell {cid} was already confirmed under plan {done[-1]['plan_hash'][:12]} "
+                                       f"(in {done[-1]['out_dir']}), spelled differently: one confirmation per cell")
+    return keys
+
+
+def _record_canonical(keys: dict[str, str], entries: list[dict], h: str, out: Path) -> None:
+    """Record the confirmed cells of a plan registered before plans were canonical under their canonical
+    identity too, so that a canonical plan of the same cell is refused."""
+    from protocol.ledger import Registry
+
+    registry = Registry()
+    for entry in entries:
+        key = keys.get(entry.get("cell_id"))
+        if key is not None:
+            registry.record_attempt(key, plan_hash=h, cell_id=entry["cell_id"], status="confirmed",
+                                    out_dir=str(Path(out).resolve()))
 
 
 # --------------------------------------------------------------------------------------------------

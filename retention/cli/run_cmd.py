@@ -139,7 +139,9 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
 
     shard = parse_shard(shard_text)
     names = _scorer_list(scorers)
-    if baseline and baseline not in names:
+    if baseline and baseline in names:  # the comparison would be of an arm with itself
+        raise RetentionError(f"--baseline {baseline} is also a --scorer arm; the baseline must be another scorer")
+    if baseline:
         names.append(baseline)
     if budget is not None or budget_kib is not None:
         from retention.scorers import get_scorer_class

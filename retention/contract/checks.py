@@ -6,6 +6,7 @@ shortest is compacted at prefill, and rows fall due together and apart), greedy,
 end sequences at different steps, and returns one `CheckResult` per check:
 
 * kept count: every compaction keeps exactly the cadence's k distinct tokens per row (and head);
+* view unchanged: `score` and `select` write into none of the view's tensors (named when they do);
 * protected tokens kept; padding never kept; score shape and dtype;
 * batch invariance: batch 8 with refills vs batch 1, identical tokens, finish reasons, meters and
   kept sets (views of several rows and rows due at different steps both occur, as the detail says);
@@ -166,7 +167,7 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
         padded = _padded_views(kit)
     except Exception as exc:  # noqa: BLE001 - a scorer that cannot decode fails every decode check
         what = f"decoding raised {type(exc).__name__}: {exc}"
-        names = ("score shape and dtype", "kept count", "protected tokens kept", "padding never kept",
+        names = ("score shape and dtype", "kept count", "view unchanged", "protected tokens kept", "padding never kept",
                  "physical eviction", "mean budget held", "batch invariance")
         results += [CheckResult(n, False, what) for n in names]
         single = batched = None
@@ -175,7 +176,8 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
         compactions = sum(len(v) for v in p8.kept.values())
         note = f"{compactions} compactions" if evicts else "never evicts: no compaction"
         viol = {k: p1.violations.get(k, []) + p8.violations.get(k, []) + padded.violations.get(k, [])
-                for k in ("score shape and dtype", "kept count", "protected tokens kept", "padding never kept")}
+                for k in ("score shape and dtype", "kept count", "view unchanged", "protected tokens kept",
+                          "padding never kept")}
         if evicts and compactions == 0:
             viol["kept count"] = viol["kept count"] + ["no compaction happened"]
         k = kit.cadence.nominal
@@ -183,6 +185,8 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
                                    f"{'[L, B, G, n]' if kit.sc0.per_layer else '[B, G, n]'} floating point, no NaN"
                                    if evicts else note))
         results.append(_violations("kept count", viol["kept count"], f"k = {k} at each of {note}" if evicts else note))
+        results.append(_violations("view unchanged", viol["view unchanged"],
+                                   "score and select wrote into no tensor of their views" if evicts else note))
         results.append(_violations("protected tokens kept", viol["protected tokens kept"],
                                    f"sink {kit.cadence.sink}, recent {kit.cadence.recent} kept" if evicts else note))
         if evicts and not padded.view_rows:

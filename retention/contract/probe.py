@@ -10,6 +10,7 @@ tokens, padding) and note each row's kept positions under the seed of the sequen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -91,11 +92,13 @@ class Probe:
 
     def score(self, view):
         self.phase = "compaction"
+        before = _view_tensors(view) if self.checks else None
         try:
             scores = self.inner.score(view)
         finally:
             self.phase = None
         if self.checks:
+            self._check_unchanged(before, view, "score")
             L, (B, G, n) = len(view.keys), view.keys[0].shape[:3]
             want = (L, B, G, n) if self.inner.per_layer else (B, G, n)
             if not isinstance(scores, torch.Tensor):
@@ -109,13 +112,23 @@ class Probe:
 
     def select(self, scores, view, k: int):
         self.phase = "compaction"
+        before = _view_tensors(view) if self.checks else None
         try:
             keep = self.inner.select(scores, view, k)
         finally:
             self.phase = None
         if self.checks:
+            self._check_unchanged(before, view, "select")
             self._check_keep(keep, view, k)
         return keep
+
+    def _check_unchanged(self, before: dict[str, torch.Tensor], view, hook: str) -> None:
+        """Name each tensor of the view that `hook` wrote into (a view is read-only: `CacheView`)."""
+        after = _view_tensors(view)
+        changed = [name for name, t in before.items() if name not in after or not torch.equal(t, after[name])]
+        if changed:
+            self._note("view unchanged", f"{hook} wrote into its view: {', '.join(changed[:4])}"
+                                         + (f" and {len(changed) - 4} more" if len(changed) > 4 else ""))
 
     def _check_keep(self, keep, view, k: int) -> None:
         L, (B, G, n) = len(view.keys), view.keys[0].shape[:3]
@@ -205,6 +218,20 @@ class CheckedPolicy(RetentionPolicy):
                                        f"{recount:.6g} KiB ({self.state.name} state)")
                 break
         return did
+
+
+def _view_tensors(view) -> dict[str, torch.Tensor]:
+    """Copies of every tensor a `CacheView` holds, by name (`keys[0]`, `stores[1].k`, `next_position`)."""
+    out = {}
+    for f in dataclasses.fields(view):
+        value = getattr(view, f.name)
+        items = [("", value)] if not isinstance(value, list) else [(f"[{i}]", v) for i, v in enumerate(value)]
+        for suffix, item in items:
+            if isinstance(item, torch.Tensor):
+                out[f"{f.name}{suffix}"] = item.clone()
+            elif isinstance(item, dict):
+                out.update({f"{f.name}{suffix}.{k}": v.clone() for k, v in item.items() if isinstance(v, torch.Tensor)})
+    return out
 
 
 # Tensor methods that read a device value on the host (on a GPU each waits for the device).

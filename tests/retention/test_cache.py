@@ -77,3 +77,27 @@ def test_update_without_positions_is_refused():
     cache = RetentionCache(1)
     with pytest.raises(RuntimeError):
         cache.update(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), 0)
+
+
+
+def test_a_scorer_writing_into_its_view_does_not_change_the_cache(tiny):
+    """A view of every row is a copy, not a slice of the live buffers: zeroing what a scorer was shown
+    decodes the same tokens as only reading it."""
+    from tests.retention.test_contract import WritesIntoView
+
+    from retention.runtime.cadence import Cadence
+    from retention.runtime.engine import Request, SamplingConfig, run_engine
+    from retention.runtime.policy import RetentionPolicy
+
+    class ReadsOnly(WritesIntoView):
+        def score(self, view):
+            return view.positions[0].float().masked_fill(~view.valid[0], float("-inf"))
+
+    def decode(scorer):
+        got = {}
+        policy = RetentionPolicy(scorer, Cadence(budget=20, interval=4, accounting="prefill", sink=4, recent=0))
+        run_engine(tiny.model, [Request(0, list(range(3, 40)), 0)], policy, SamplingConfig(max_new_tokens=24),
+                   set(), tiny.geometry.kib_per_token, on_finish=lambda req, g: got.update({req.key: g.token_ids}))
+        return got[0]
+
+    assert decode(WritesIntoView()) == decode(ReadsOnly())

@@ -183,3 +183,20 @@ def test_load_rejects_a_foreign_file(tmp_path):
     save_file({"x": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(RetentionError, match="not a retention statistics file"):
         QueryStats.load(tmp_path / "x.safetensors")
+
+
+def test_calibrate_out_never_overwrites_a_file_that_is_not_statistics(tmp_path):
+    from click.testing import CliRunner
+
+    from retention.cli import main
+
+    data = tmp_path / "problems.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n')
+    res = CliRunner().invoke(main, ["calibrate", "--model", "tiny-random", "--out", str(data), "--tokens", "256"])
+    assert res.exit_code == 1 and "exists and is not a statistics file" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert data.read_text() == '{"problem": "1+1", "answer": "2"}\n'
+    stats = tmp_path / "stats.safetensors"
+    for _ in range(2):  # a statistics file is recalibrated in place
+        res = CliRunner().invoke(main, ["calibrate", "--model", "tiny-random", "--out", str(stats), "--tokens", "256"])
+        assert res.exit_code == 0, res.output

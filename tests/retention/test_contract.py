@@ -33,6 +33,18 @@ class KeepsPadding(Scorer):
 
 
 @dataclass
+class WritesIntoView(Scorer):
+    """Scores like streaming (by position), then zeroes the keys and values it was shown."""
+
+    def score(self, view):
+        scores = view.positions[0].float().masked_fill(~view.valid[0], float("-inf"))
+        for k, v in zip(view.keys, view.values):
+            k.zero_()
+            v.zero_()
+        return scores
+
+
+@dataclass
 class KeepsTooMany(Scorer):
     def score(self, view):
         return _norms(view).masked_fill(~view.valid[0], float("-inf"))
@@ -88,7 +100,7 @@ def failing(results):
 def test_builtin_scorers_pass(name):
     results = run_checks(name, share=False)
     assert not failing(results), [r.line() for r in results if r.ok is False]
-    assert len(results) == 10  # every check ran (the share figure is off)
+    assert len(results) == 11  # every check ran (the share figure is off)
 
 
 @pytest.mark.parametrize("cls,check", [
@@ -98,6 +110,7 @@ def test_builtin_scorers_pass(name):
     ("Nondeterministic", "determinism"),
     ("BatchDependent", "batch invariance"),
     ("ObserveSyncs", "host reads per token"),
+    ("WritesIntoView", "view unchanged"),
 ])
 def test_broken_scorers_fail_the_right_check(cls, check):
     results = run_checks(f"{HERE}:{cls}", share=False)
@@ -115,7 +128,7 @@ def test_cli_exit_status_and_share_figure():
     ok = CliRunner().invoke(main, ["check-scorer", "streaming", "--context", "256", "--share-budget", "64",
                                    "--share-tokens", "16"])
     assert ok.exit_code == 0, ok.output
-    assert "INFO compaction share:" in ok.output and "streaming: 10/10 checks pass" in ok.output
+    assert "INFO compaction share:" in ok.output and "streaming: 11/11 checks pass" in ok.output
     bad = CliRunner().invoke(main, ["check-scorer", f"{HERE}:KeepsTooMany", "--context", "0"])
     assert bad.exit_code == 1 and "FAIL kept count" in bad.output
 
@@ -147,3 +160,11 @@ def test_cli_params_reach_the_scorer_by_spec_or_by_name():
     assert bad.exit_code == 1 and "scorer 'tests.retention.test_contract:Powered' has no parameter 'nope'" in bad.output
     bad = CliRunner().invoke(main, ["check-scorer", spec, "--param", "powered.power=0", "--param", f"{spec}.power=1"])
     assert bad.exit_code == 1 and "is given twice" in bad.output
+
+
+def test_a_scorer_writing_into_its_view_is_named_and_leaves_the_cache_intact():
+    results = {r.name: r for r in run_checks(f"{HERE}:WritesIntoView", share=False)}
+    assert results["view unchanged"].ok is False
+    assert "score wrote into its view: keys[0], keys[1]" in results["view unchanged"].detail
+    # the view is a copy: the decode is the one of a scorer that only reads (streaming's scores)
+    assert results["batch invariance"].ok and results["determinism"].ok

@@ -25,14 +25,17 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
         "lm_head.weight": "output.weight"}
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, file_type: int | None = None) -> Path:
     """The tiny-random Qwen2 (seed `seed`) as an F32 GGUF with llama.cpp's tensor names, its
-    byte-level tokenizer (gpt2 model, no merges) and its chat template."""
+    byte-level tokenizer (gpt2 model, no merges) and its chat template; `file_type` sets the header's
+    `general.file_type` (the tensors stay F32)."""
     import gguf
 
     model, _ = build_tiny_random(seed)
     cfg = model.config
     w = gguf.GGUFWriter(str(path), "qwen2")
+    if file_type is not None:
+        w.add_file_type(file_type)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -270,3 +273,43 @@ def test_run_accepts_a_gguf_file_and_records_its_sha256(tiny_gguf, cache, tmp_pa
     assert config["model_revision"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert config["model_id"] == str(tiny_gguf.resolve()) and config["budget"] == 64  # 1 KiB per token (4x2x16x2x4 B)
     assert len((run_dir / "records.jsonl").read_text().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# The quantisation type: recorded as model_quant (GGUF models only)
+# --------------------------------------------------------------------------------------------
+
+
+def test_quant_type_from_the_header_or_the_tensors(tmp_path, tiny_gguf):
+    import gguf
+
+    labelled = write_tiny_gguf(tmp_path / "q.gguf", file_type=int(gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    assert gguf_module.gguf_quant(labelled) == "Q4_K_M"
+    assert gguf_module.gguf_quant(tiny_gguf) == "F32"  # no file_type: the tensors' type
+
+
+def test_loaded_gguf_models_carry_their_quant_type(split_model, tiny_gguf, cache):
+    assert load_model(str(tiny_gguf)).quant == "F32"
+    assert load_model("tiny-split", dtype="float32").quant == "F32"  # recorded by the conversion
+    assert load_model("tiny-random").quant is None
+    assert SPLIT_GGUFS["qwen2.5-coder-0.5b"].quant == "Q4_K_M"  # the official file's general.file_type 15
+
+
+def test_run_records_model_quant_for_a_gguf_model_only(tiny_gguf, cache, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from retention.cli import main
+
+    for model in (str(tiny_gguf), "tiny-random"):
+        out = tmp_path / Path(model).name
+        res = CliRunner().invoke(main, ["run", "--model", model, "--scorer", "full", "--limit", "1", "--temperature",
+                                        "0", "--max-new-tokens", "2", "--quiet", "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        (run_dir,) = list(out.iterdir())
+        config = json.loads((run_dir / "config.json").read_text())["config"]
+        if model == "tiny-random":
+            assert "model_quant" not in config  # existing configuration hashes do not change
+        else:
+            assert config["model_quant"] == "F32"

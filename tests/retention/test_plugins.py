@@ -185,3 +185,45 @@ def test_changed_plugin_whose_defaults_change_the_run_id_is_refused_too(plugin_f
     assert "scorer_plugin.sources_sha256.keynorm.py differ" in line
     assert list(out.iterdir()) == [first]
     assert invoke(*run_args(spec, tmp_path / "new")).exit_code == 0  # a new --out is fine
+
+
+HELPED = '''
+from dataclasses import dataclass
+
+from retention.scorers import Scorer
+import keynorm_helper
+
+
+@dataclass
+class Helped(Scorer):
+    """Scores through a helper module beside this file."""
+
+    def score(self, view):
+        return keynorm_helper.norms(view)
+'''
+
+HELPER = '''
+import torch
+
+
+def norms(view):
+    return torch.stack([k.norm(dim=-1) for k in view.keys]).mean(0).masked_fill(~view.valid[0], float("-inf"))
+'''
+
+
+def test_a_file_plugin_is_identified_with_the_helper_it_imports(tmp_path, monkeypatch):
+    folder = tmp_path / "lab"
+    folder.mkdir()
+    (folder / "helped.py").write_text(HELPED)
+    (folder / "keynorm_helper.py").write_text(HELPER)
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delitem(sys.modules, "keynorm_helper", raising=False)
+    spec, out = f"{folder / 'helped.py'}:Helped", tmp_path / "runs"
+    assert set(scorer_identity(spec)["sources_sha256"]) == {"helped.py", "keynorm_helper.py"}
+    assert invoke(*run_args(spec, out)).exit_code == 0
+    (run_dir,) = out.iterdir()
+    before = (run_dir / "records.jsonl").read_bytes()
+    (folder / "keynorm_helper.py").write_text(HELPER.replace("mean(0)", "amax(0)"))  # another scorer
+    line = one_error_line(invoke(*run_args(spec, out)))
+    assert "scorer_plugin.sources_sha256.keynorm_helper.py differ" in line
+    assert (run_dir / "records.jsonl").read_bytes() == before

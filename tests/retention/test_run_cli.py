@@ -109,3 +109,10 @@ def test_bad_input_one_line_nonzero(tmp_path, args, msg):
     assert len(lines) == 1 and msg.lower() in res.output.lower(), res.output
     assert "Traceback" not in res.output
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_a_baseline_that_is_also_a_scorer_arm_is_refused(tmp_path):
+    res = _run(["--scorer", "streaming", "--baseline", "streaming", "--budget", "40", "--limit", "1",
+                "--max-new-tokens", "4", "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1 and "--baseline streaming is also a --scorer arm" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -1,0 +1,194 @@
+"""Re-run records of a run directory from its recorded configuration and compare the tokens.
+
+`retention reproduce RUN_DIR` is the evidence behind a claim that a run is reproducible: the
+configuration in `config.json` is rebuilt through `validate_arm` (the same path `run` takes) and must
+hash to the recorded `config_hash`, the model must load with the recorded revision (weights digest or
+hub commit), and each chosen record is decoded again with its own seed at the slot count
+(`batch_size`) it was decoded at. Nothing is written into the run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.io import load_json_object, read_jsonl
+from retention.errors import RetentionError
+
+# Keys `execute` adds to a configuration after validation (from the loaded model).
+_LOADED_KEYS = ("model_id", "model_revision", "prompt", "model_quant")
+
+
+def token_digest(token_ids: list[int]) -> str:
+    """sha256 of a token sequence written as comma-separated decimal ids (16 hex digits shown)."""
+    return hashlib.sha256(",".join(str(int(t)) for t in token_ids).encode()).hexdigest()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token sequences differ (a prefix differs at the shorter length),
+    or None when they are identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@dataclass(frozen=True)
+class RecordCheck:
+    """One record decoded again: the recorded and the reproduced token sequences, compared."""
+
+    problem_id: str
+    sample: int
+    recorded: tuple[int, ...]
+    reproduced: tuple[int, ...]
+
+    @property
+    def difference(self) -> int | None:
+        return first_difference(list(self.recorded), list(self.reproduced))
+
+    def line(self) -> str:
+        """`<problem> sample <s>: identical ...` or `... differs at token i ...`, with both digests."""
+        rec, rep = token_digest(list(self.recorded))[:16], token_digest(list(self.reproduced))[:16]
+        head = f"{self.problem_id} sample {self.sample}:"
+        i = self.difference
+        if i is None:
+            return f"{head} identical ({len(self.recorded)} tokens, sha256 {rec})"
+
+        def at(seq):
+            return str(seq[i]) if i < len(seq) else "end"
+        return (f"{head} differs at token {i}: recorded {at(self.recorded)}, reproduced {at(self.reproduced)} "
+                f"(recorded {len(self.recorded)} tokens sha256 {rec}, reproduced {len(self.reproduced)} "
+                f"tokens sha256 {rep})")
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """What `reproduce` found: the provenance of both runs and one check per record."""
+
+    run_dir: Path
+    config_hash: str
+    model_revision: str
+    recorded_code: str
+    current_code: str
+    checks: tuple[RecordCheck, ...]
+
+    @property
+    def identical(self) -> bool:
+        return all(c.difference is None for c in self.checks)
+
+    def header(self) -> list[str]:
+        same = "same" if self.recorded_code == self.current_code else "DIFFERENT"
+        return [f"run {self.run_dir.name}: config_hash {self.config_hash[:12]} rebuilt from config.json",
+                f"model revision {self.model_revision}",
+                f"code: recorded {self.recorded_code}, now {self.current_code} ({same})"]
+
+    def summary(self) -> str:
+        same = sum(1 for c in self.checks if c.difference is None)
+        return f"{same} of {len(self.checks)} record(s) identical"
+
+
+def _stats_path(config: dict, stats: str | None) -> str | None:
+    """The statistics file to rebuild the arm with: given, else the model's default (its sha256 is
+    checked against the recorded one by `validate_arm`)."""
+    if "stats_sha256" not in config:
+        return None
+    if stats is not None:
+        return stats
+    from retention.scorers.calibration import default_stats_path
+
+    return str(default_stats_path(config["model"]))
+
+
+def rebuild_arm(meta: dict, stats: str | None = None):
+    """The `ArmSpec` of a run's `config.json`, validated as `run`
+    validates it. Refuses a configuration that no longer rebuilds to the recorded one."""
+    from retention.plugins import differing_keys
+    from retention.runs.arms import validate_arm
+
+    recorded = meta.get("config")
+    if not isinstance(recorded, dict):
+        raise RetentionError("config.json has no 'config' object")
+    cfg = {k: v for k, v in recorded.items() if k not in _LOADED_KEYS and k != "nominal_b"}
+    params = dict(cfg.get("scorer_params") or {})
+    path = _stats_path(recorded, stats)
+    if path is not None:
+        params["stats"] = path
+    cfg["scorer_params"] = params
+    spec = validate_arm(cfg)
+    rebuilt = dict(spec.config, **{k: recorded[k] for k in _LOADED_KEYS if k in recorded})
+    if rebuilt != recorded:
+        keys = differing_keys(recorded, rebuilt)
+        raise RetentionError(f"the recorded configuration does not rebuild with this code ({', '.join(keys)} "
+                             "differ): it cannot be re-run as recorded")
+    return spec
+
+
+def _problems(config: dict, splits_dir) -> dict:
+    from protocol.splits import run_problems
+
+    problems = run_problems(config.get("split", "dev"), config.get("dataset", "math500"),
+                            data_path=config.get("data"), splits_dir=splits_dir)
+    return {p.unique_id: p for p in problems}
+
+
+def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = None,
+              splits_dir=None) -> Reproduction:
+    """Decode the first `limit` records of `run_dir` (all when None) again and compare their tokens."""
+    from retention.models import format_prompt, load_model
+    from retention.models.arch.deepseek import on_reference_mla
+    from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed
+    from retention.runtime.engine import Request, SamplingConfig, run_engine
+
+    current_code = code_version()  # now: the code imported is the code of the start, not of the end
+    run_dir = Path(run_dir)
+    meta = load_json_object(run_dir / "config.json", "run configuration")
+    config = meta.get("config")
+    if not isinstance(config, dict) or config_hash(config) != meta.get("config_hash"):
+        raise RetentionError(f"{run_dir / 'config.json'}: its config does not hash to its config_hash")
+    if config.get("engine", "hf") != "hf":
+        raise RetentionError(f"reproduce re-runs this project's engine only; this run used {config['engine']!r}")
+    records_path = run_dir / "records.jsonl"
+    if not records_path.is_file():
+        raise RetentionError(f"{records_path} not found (a sharded run: `retention merge` it first)")
+    records = read_jsonl(records_path, "record").objects[:limit]
+    if not records:
+        raise RetentionError(f"{records_path} holds no record to reproduce")
+    spec = rebuild_arm(meta, stats)
+    problems = _problems(config, splits_dir)
+    missing = [r["problem_id"] for r in records if r.get("problem_id") not in problems]
+    if missing:
+        raise RetentionError(f"problem(s) {missing[:3]} of the records are not in the run's split")
+    loaded = on_reference_mla(load_model(config["model"], dtype=config.get("dtype", "float32"),
+                                         device=config.get("device", "cpu")))
+    if loaded.revision != config.get("model_revision"):
+        raise RetentionError(f"{config['model']} loads as revision {loaded.revision}, the run recorded "
+                             f"{config.get('model_revision')}: not the same model")
+    sampling = SamplingConfig(max_new_tokens=config["max_new_tokens"], temperature=config["temperature"],
+                              top_p=config["top_p"], ignore_eos=bool(config.get("ignore_eos", False)))
+    got: dict[tuple[str, int], list[int]] = {}
+    by_slots: dict[int, list[dict]] = {}
+    for r in records:  # each record at the slot count it was decoded at
+        by_slots.setdefault(int(r.get("batch_size") or 1), []).append(r)
+    for slots, group in by_slots.items():
+        reqs = []
+        for r in group:
+            p = problems[r["problem_id"]]
+            seed = derive_seed(config["seed"], p.unique_id, r["sample"])
+            if seed != r.get("seed"):
+                raise RetentionError(f"{p.unique_id} sample {r['sample']}: recorded seed {r.get('seed')} is not "
+                                     f"the seed its configuration derives ({seed})")
+            reqs.append(Request((p.unique_id, r["sample"]), format_prompt(loaded.tokenizer, p.problem, loaded.prompt),
+                                seed))
+        policy = spec.policy()  # all five mechanisms, as the run built them
+        policy.prepare(loaded.tokenizer)
+
+        def on_finish(req, g):
+            got[req.key] = list(g.token_ids)
+
+        run_engine(loaded.model, reqs, policy, sampling, _eos_ids(loaded), loaded.geometry.kib_per_token,
+                   batch_size=slots, fidelity=bool(config.get("fidelity", False)), on_finish=on_finish)
+    checks = [RecordCheck(r["problem_id"], r["sample"], tuple(r["output_token_ids"]),
+                          tuple(got[(r["problem_id"], r["sample"])])) for r in records]
+    return Reproduction(run_dir, meta["config_hash"], loaded.revision, str(meta.get("code_version")),
+                        current_code, tuple(checks))

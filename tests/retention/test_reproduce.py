@@ -1,0 +1,76 @@
+"""`retention reproduce`: records decoded again from config.json, compared token by token."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from retention.cli import main
+from retention.runs.reproduce import first_difference, token_digest
+
+ARGS = ["--model", "tiny-random", "--quiet", "--scorer", "streaming", "--budget", "40", "--interval", "8",
+        "--limit", "2", "--samples", "2", "--max-new-tokens", "16", "--temperature", "0.7", "--batch-size", "3"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    res = CliRunner().invoke(main, ["run", *ARGS, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    (d,) = [p for p in out.iterdir() if p.is_dir()]
+    return d
+
+
+def _reproduce(path, *extra):
+    return CliRunner().invoke(main, ["reproduce", str(path), *extra])
+
+
+def test_identical_records_exit_zero(run_dir):
+    before = (run_dir / "records.jsonl").read_bytes()
+    res = _reproduce(run_dir, "--limit", "3")
+    assert res.exit_code == 0, res.output + res.stderr
+    lines = res.output.splitlines()
+    recs = [json.loads(line) for line in before.decode().splitlines()][:3]
+    for rec in recs:
+        want = (f"{rec['problem_id']} sample {rec['sample']}: identical ({len(rec['output_token_ids'])} tokens, "
+                f"sha256 {token_digest(rec['output_token_ids'])[:16]})")
+        assert want in lines
+    assert lines[-1] == "3 of 3 record(s) identical"
+    assert "(same)" in res.output and "model revision random-seed-0" in res.output
+    assert (run_dir / "records.jsonl").read_bytes() == before  # nothing written into the run
+
+
+def test_a_changed_token_is_named_and_exits_one(run_dir, tmp_path):
+    copy = tmp_path / run_dir.name
+    copy.mkdir()
+    (copy / "config.json").write_bytes((run_dir / "config.json").read_bytes())
+    recs = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+    original = recs[1]["output_token_ids"][5]
+    recs[1]["output_token_ids"][5] = original + 1
+    (copy / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    res = _reproduce(copy, "--limit", "2")
+    assert res.exit_code == 1
+    lines = res.output.splitlines()
+    assert lines[-2].startswith(f"{recs[1]['problem_id']} sample {recs[1]['sample']}: differs at token 5: "
+                                f"recorded {original + 1}, reproduced {original} ")
+    assert lines[-1] == "1 of 2 record(s) identical"
+
+
+def test_a_configuration_that_does_not_match_its_hash_is_refused(run_dir, tmp_path):
+    copy = tmp_path / run_dir.name
+    copy.mkdir()
+    meta = json.loads((run_dir / "config.json").read_text())
+    meta["config"]["seed"] = 1  # edited after the run: its records are not this configuration's
+    (copy / "config.json").write_text(json.dumps(meta))
+    (copy / "records.jsonl").write_bytes((run_dir / "records.jsonl").read_bytes())
+    res = _reproduce(copy)
+    assert res.exit_code == 1
+    assert res.stderr.strip().startswith("Error: ") and len(res.stderr.strip().splitlines()) == 1
+    assert "does not hash to its config_hash" in res.stderr
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([], []) is None
