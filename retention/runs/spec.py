@@ -101,7 +101,8 @@ class ArmSpec:
         return RetentionPolicy(make_scorer(self.scorer.name, **self.scorer.kwargs), dataclasses.replace(self.cadence),
                                make_mechanism("routing", self.routing.name, self.routing.kwargs),
                                make_mechanism("state", self.state.name, self.state.kwargs),
-                               make_mechanism("decoding", self.decoding.name, self.decoding.kwargs))
+                               make_mechanism("decoding", self.decoding.name, self.decoding.kwargs),
+                               self.config.get("budget_kib") if self.cadence.evicts else None)
 
     @property
     def hash(self) -> str:

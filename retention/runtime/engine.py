@@ -242,7 +242,8 @@ class Engine:
         policy.reset_slot(slot, req.seed)
         if sampling.temperature > 0:
             self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
-        st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget), self.gens[slot],
+        st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget,
+                                            budget_kib=policy.budget_kib), self.gens[slot],
                    Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None)
         tmp = self.adapter.new_cache(P, policy.scorer)
         tmp.slots, tmp.prompt_lengths = [slot], [P]

@@ -27,6 +27,7 @@ class BudgetMeter:
 
     kib_per_token: float
     budget: int | None = None
+    budget_kib: float | None = None  # --budget-bytes: the mean KiB is held to it too
     counts: str = "compressed representation"
     max_trace: int = 512
     prefill_tokens: int = 0
@@ -95,8 +96,10 @@ class BudgetMeter:
 
     @property
     def exceeded(self) -> bool:
-        """The measured mean is above the budget (the project's definition, whatever the mode)."""
-        return self.budget is not None and self.mean > self.budget
+        """The measured mean is above the budget (the project's definition, whatever the mode), in
+        tokens or, with a byte budget, in KiB."""
+        over_kib = self.budget_kib is not None and self.mean_kib > self.budget_kib * (1 + 1e-12)
+        return (self.budget is not None and self.mean > self.budget) or over_kib
 
     def trace(self) -> tuple[list[int], list[float]]:
         """(decode step indices, mean stored tokens across layers at that step), downsampled."""

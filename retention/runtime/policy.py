@@ -42,6 +42,7 @@ class RetentionPolicy:
     routing: Routing = field(default_factory=Routing)
     state: State = field(default_factory=State)
     decoding: Decoding = field(default_factory=Decoding)
+    budget_kib: float | None = None  # --budget-bytes: the meter holds the mean KiB to it too
 
     def __post_init__(self):
         self.scorer = self.routing.configure(self.scorer)
@@ -86,8 +87,13 @@ class RetentionPolicy:
         meters = [meter] * rows if isinstance(meter, BudgetMeter) else list(meter)
         self.scorer.observe(cache, nxt)
         due = self.due_rows(cache, prefill, tokens)
-        if not due:
-            return False
+        if due:
+            self._compact(cache, due, nxt, meters)
+        self.state.after_step(cache, nxt, meters[0].kib_per_token)
+        return bool(due)
+
+    def _compact(self, cache: RetentionCache, due: list[int], nxt: list[int], meters: list[BudgetMeter]) -> None:
+        """Compact the rows `due`, in groups that keep the same number of tokens."""
         groups: dict[int, list[int]] = {}
         for r in due:
             groups.setdefault(self.cadence.keep(cache.prompt_lengths[r]), []).append(r)
@@ -103,7 +109,6 @@ class RetentionPolicy:
             self.scorer.compacted(keep, view)
             for r in grp:
                 meters[r].note_compaction([cache.lengths[r]])
-        return True
 
 
 def cadence_for(scorer: Scorer, budget: int | None, interval: int | None = None, accounting: str = "mean",

@@ -6,6 +6,7 @@ layers `L`. A state acts at two moments of a compaction of the rows `rows` (the 
     before_compaction(cache, rows, keep, view)   after the scorer chose `keep` (`[B, G, k]` shared or
                                                  `[L, B, G, k]`), before the cache gathers it: may
                                                  rewrite the stored tensors of kept tokens
+    after_step(cache, next_position, kib_per_token)   after every forward (host values decide)
     after_compaction(cache, rows, next_position, kib_per_token)
                                                  after the gather: may change how the kept tokens are
                                                  stored; returns nothing
@@ -25,7 +26,8 @@ Built-ins:
   per-token count that follows every compaction). Keys are left as they are, so attention to a kept
   token is unchanged while its value carries what the evicted tokens held. A merged token is stored,
   and counted, once.
-* `quant` (a quantised tail, after KIVI, Liu et al., ICML 2024): at each compaction every kept token
+* `quant` (a quantised tail, after KIVI, Liu et al., ICML 2024): KIVI's rule, once a row has written
+  `residual + group` tokens since its last quantisation (and at each compaction), every stored token
   older than the `residual` newest positions is quantised once, asymmetric min-max to `bits` (8 or 4):
   keys per channel over chunks of `group` consecutive tokens (a chunk's scale and zero point per
   channel), values per token over groups of `group` channels; the residual window stays in full
@@ -72,6 +74,10 @@ class State:
 
     def before_compaction(self, cache, rows: list[int], keep: torch.Tensor, view) -> None:
         """Rewrite kept tokens' stored tensors before the cache keeps only `keep`."""
+
+    def after_step(self, cache, next_position: list[int], kib_per_token: float) -> None:
+        """After every forward (and its compactions): change how tokens are stored between compactions.
+        Runs every token: decide from host values; read the device only when something is due."""
 
     def after_compaction(self, cache, rows: list[int], next_position: list[int], kib_per_token: float) -> None:
         """Change how the kept tokens of `rows` are stored, after the gather (`next_position`: each
@@ -152,40 +158,68 @@ class Quant(State):
     bits: int = 8
     group: int = 16  # divides the head dims of every model here (16 tiny, 64 Qwen2.5-0.5B, 128 the 7B/8B)
     residual: int = 32
-    _kib: dict = field(default_factory=dict, init=False, repr=False)  # row -> (KiB at the last event, length then)
+    # "channel": KIVI's keys, per channel over chunks of `group` tokens (a chunk's scales stay while one
+    # of its tokens does, so evictions make them dearer); "token": keys like values, per token over
+    # groups of `group` channels (a fixed cost per token, so a byte budget is held exactly).
+    keys: str = "channel"
+    _kib: dict = field(default_factory=dict, init=False, repr=False)  # slot -> (KiB at the last event, length then)
+    _mark: dict = field(default_factory=dict, init=False, repr=False)  # slot -> positions below it are quantised
 
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise RetentionError(f"quant.bits must be 8 or 4, got {self.bits}")
         if self.group < 1 or self.residual < 0:
             raise RetentionError(f"quant.group must be >= 1 and quant.residual >= 0, got {self.group}, {self.residual}")
+        if self.keys not in ("channel", "token"):
+            raise RetentionError(f"quant.keys must be channel or token, got {self.keys!r}")
 
     def check(self, head_dims) -> None:
         super().check(head_dims)
-        if head_dims[1] % self.group:
-            raise RetentionError(f"quant.group {self.group} does not divide the value head dim {head_dims[1]}; "
+        if head_dims[1] % self.group or (self.keys == "token" and head_dims[0] % self.group):
+            raise RetentionError(f"quant.group {self.group} does not divide the head dim {head_dims[1]}; "
                                  f"use a divisor (e.g. --param quant.group={math.gcd(self.group, head_dims[1])})")
 
     def code_bytes(self, dk: int, dv: int) -> float:
-        """Bytes of one quantised token of one (layer, head): codes plus its value groups' scales."""
-        return (dk + dv) * self.bits / 8 + (dv // self.group) * 2 * SCALE_BYTES
+        """Bytes of one quantised token of one (layer, head): codes plus its own groups' scales (the
+        values', and the keys' with `keys="token"`; per-channel key chunks are counted apart)."""
+        groups = dv // self.group + (dk // self.group if self.keys == "token" else 0)
+        return (dk + dv) * self.bits / 8 + groups * 2 * SCALE_BYTES
+
+    def chunk_bytes(self, dk: int) -> int:
+        """Bytes of one per-channel key chunk's scales and zero points (0 with `keys="token"`)."""
+        return dk * 2 * SCALE_BYTES if self.keys == "channel" else 0
 
     def tokens_for_kib(self, kib, kib_per_token, head_dims, layers, heads, span) -> int:
-        """At most `residual + span` tokens are in full precision at any step (the residual window
-        plus the tokens written since the last compaction); every other token costs its codes, its
+        """Fewer than `residual + group` tokens are in full precision at any step (the residual window
+        plus the tokens written since the last quantisation); every other token costs its codes, its
         value scales and its share of a key chunk's scales, `1 / group` of them while chunks are
-        whole. So `B = F + (kib - F x full) / quantised` with `F = residual + span`; fewer KiB than
+        whole (`keys="token"`: its own key scales, exactly). So `B = F + (kib - F x full) /
+        quantised` with `F = residual + group`; fewer KiB than
         `F` full tokens hold only `kib / full` tokens. Evictions thin chunks out (a chunk's scales stay
         while one of its tokens does), so the measured bytes can exceed this estimate: the meter
         measures them and flags a record over `--budget-bytes`."""
         dk, dv = head_dims
-        quantised = layers * heads * (self.code_bytes(dk, dv) + dk * 2 * SCALE_BYTES / self.group) / 1024
-        full = self.residual + span
+        quantised = layers * heads * (self.code_bytes(dk, dv) + self.chunk_bytes(dk) / self.group) / 1024
+        full = self.residual + self.group
         if kib <= full * kib_per_token:
             return int(kib // kib_per_token)
         return full + int((kib - full * kib_per_token) // quantised)
 
     def after_compaction(self, cache, rows, next_position, kib_per_token) -> None:
+        self._event(cache, rows, next_position, kib_per_token)  # kept sets changed: recount (and quantise)
+
+    def after_step(self, cache, next_position, kib_per_token) -> None:
+        """KIVI's rule: once a row holds `residual + group` tokens written since its last quantisation,
+        quantise all but the `residual` newest (host ints decide: no device read unless it is due)."""
+        due = [r for r in range(cache.rows)
+               if next_position[r] - self._mark.get(cache.slots[r], 0) >= self.residual + self.group]
+        if due:
+            self._event(cache, due, next_position, kib_per_token)
+
+    def _event(self, cache, rows, next_position, kib_per_token) -> None:
+        """Quantise every stored token of `rows` older than the residual window, recount their KiB."""
+        for r in rows:
+            self._mark[cache.slots[r]] = next_position[r] - self.residual
         dev = cache.layers[0].pbuf.device
         ridx = torch.tensor(rows, device=dev)
         lens = torch.tensor([cache.lengths[r] for r in rows], device=dev)
@@ -204,7 +238,7 @@ class Quant(State):
                 base = chunk.amax(-1, keepdim=True)  # ids keep growing: a new chunk never joins an old one
                 chunk = torch.where(new, base + 1 + cidx, chunk)
                 flag[ridx, :, :n] = chunk
-                for name, per_channel in (("k", True), ("v", False)):
+                for name, per_channel in (("k", self.keys == "channel"), ("v", False)):
                     buf = layer.stores[name]
                     x = buf[:, :, :n].index_select(0, ridx)
                     q = _quantise_keys(x, new, cidx, self.bits) if per_channel else \
@@ -218,7 +252,7 @@ class Quant(State):
             alive = ((s[..., 1:] != s[..., :-1]) & (s[..., 1:] > 0)).sum((1, 2)) + (s[..., 0] > 0).sum(1)
             nf = lens * layer.stores["k"].shape[1] - nq
             e = layer.stores["k"].element_size()
-            per_row.append(nf * (dk + dv) * e + nq * self.code_bytes(dk, dv) + alive * dk * 2 * SCALE_BYTES)
+            per_row.append(nf * (dk + dv) * e + nq * self.code_bytes(dk, dv) + alive * self.chunk_bytes(dk))
         # Bytes in units of `kib_per_token` per full-precision token (the meter's unit, whatever the dtype).
         scale = kib_per_token / _full_token_bytes(cache)
         kib = (torch.stack(per_row).sum(0).double() * scale).tolist()  # the one host read of the event
@@ -234,6 +268,7 @@ class Quant(State):
 
     def reset_slot(self, slot: int, seed: int) -> None:
         self._kib.pop(slot, None)
+        self._mark.pop(slot, None)
 
     def stored_kib(self, cache, row: int, kib_per_token: float) -> float:
         """The recount, token by token on the host (slow; the contract kit's independent figure)."""
@@ -246,7 +281,7 @@ class Quant(State):
             for head in ids:
                 quantised = [c for c in head if c > 0]
                 total += (n - len(quantised)) * (dk + dv) * e + len(quantised) * self.code_bytes(dk, dv)
-                total += len(set(quantised)) * dk * 2 * SCALE_BYTES
+                total += len(set(quantised)) * self.chunk_bytes(dk)
         return total * kib_per_token / _full_token_bytes(cache)
 
     def error_bound(self, x: torch.Tensor, group_lo: torch.Tensor, group_hi: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def test_canonical_form_records_every_parameter():
     a = validate_arm(dict(BASE, state="quant"))
     b = validate_arm(dict(BASE, state={"name": "quant", "params": {"bits": 8}}))
     assert a.hash == b.hash
-    assert a.config["state"] == {"name": "quant", "params": {"bits": 8, "group": 16, "residual": 32}}
+    assert a.config["state"] == {"name": "quant", "params": {"bits": 8, "group": 16, "keys": "channel", "residual": 32}}
     c = validate_arm(dict(BASE, state={"name": "quant", "params": {"bits": 4}}))
     assert c.hash != a.hash
 
@@ -262,3 +262,19 @@ def test_broken_mechanisms_fail_the_right_check(tmp_path, file):
     results = run_family_checks(family, f"{path}:{cls}", {})
     failed = {r.name for r in results if r.ok is False}
     assert check in failed, [r.line() for r in results]
+
+
+def test_a_record_over_its_byte_budget_is_flagged(tiny):
+    """Per-channel key chunks thin out under eviction, so the estimate can be exceeded: the meter
+    measures the bytes and flags a record whose mean KiB is over --budget-bytes; per-token keys cost
+    a fixed amount and hold it."""
+    kib = 24 * tiny.geometry.kib_per_token
+    for keys in ("channel", "token"):
+        spec = validate_arm(dict(BASE, budget=24, budget_kib=kib, interval=4,
+                                 state={"name": "quant", "params": {"residual": 2, "group": 8, "keys": keys}}))
+        gens, _ = _decode(tiny, spec, PROMPTS, new=64)
+        for g in gens.values():
+            assert g.meter.exceeded == (g.meter.mean_kib > kib * (1 + 1e-12) or g.meter.mean > spec.cadence.budget)
+        if keys == "token":
+            assert not any(g.meter.exceeded for g in gens.values())
+            assert spec.cadence.budget > 24  # more tokens for the same bytes
