@@ -23,6 +23,7 @@ from pathlib import Path
 
 from protocol.plans import ARMS, arm_config, build_plan, cell_identity, cell_key
 from retention.errors import RetentionError
+from retention.runtime.mechanisms import FAMILIES
 
 # Cadence keys of an arm whose default depends on the cell (the budget) and the scorer.
 _CADENCE_KEYS = ("interval", "sink", "recent")
@@ -139,6 +140,13 @@ def canonical_arm(plan: dict, arm: str) -> dict:
             without = {k: v for k, v in out.items() if k != key}
             if all(_resolved(plan, cell, arm, without)[key] == c[key] for cell, c in zip(plan["cells"], configs)):
                 del out[key]  # absent resolves to the same value in every cell
+    for fam in FAMILIES:  # a mechanism in canonical form (every parameter, a plugin's identity); a default: absent
+        records = [c.get(fam) for c in configs]
+        if all(r == records[0] for r in records):
+            if records[0] is None:
+                out.pop(fam, None)
+            else:
+                out[fam] = records[0]
     if not out.get("scorer_params"):
         out.pop("scorer_params", None)
     return out

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The design-space run (issue 27, item 6): one arm per intervention family against TriAttention at a
+# measured mean cache of 128 tokens on Qwen2.5-Coder-0.5B-Instruct (the Q4_K_M GGUF dequantised to
+# bf16), MATH-500 dev, the protocol's sampling (temperature 0.6, top-p 0.95, seeded per problem),
+# fidelity on. Each arm is its own command: stop anywhere and rerun (runs resume); `timings.tsv`
+# says how long each arm's command ran. ARMS="a b" runs only the named arms.
+# Report: retention report OUT/runs --baseline triattention --out OUT/report
+set -euo pipefail
+RETENTION=${RETENTION:-.venv/bin/retention}
+OUT=${OUT:-results/design-space-qwen0.5b}
+MODEL=${MODEL:-qwen2.5-coder-0.5b}
+PROBLEMS=${PROBLEMS:-16}
+TOKENS=${TOKENS:-1024}
+BATCH=${BATCH:-16}
+STATS=${STATS:-results/real-signal-qwen0.5b/stats-$MODEL.safetensors}
+KIB=${KIB:-1536}  # 128 tokens of this model's full-precision cache (12 KiB per token in bf16)
+mkdir -p "$OUT"
+common=(--model "$MODEL" --dtype bfloat16 --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature 0.6 --top-p 0.95
+        --batch-size "$BATCH" --out "$OUT/runs" --quiet)
+arm() {  # name, then the run options of the arm
+  local name=$1; shift
+  if [ -n "${ARMS:-}" ] && [[ " $ARMS " != *" $name "* ]]; then return; fi
+  local start=$(date +%s)
+  "$RETENTION" run "${common[@]}" "$@" | tee -a "$OUT/run.log"
+  printf '%s\t%s\n' "$name" "$(( $(date +%s) - start ))" >> "$OUT/timings.tsv"
+}
+tri=(--scorer triattention --stats "$STATS" --fidelity)
+arm triattention-128 "${tri[@]}" --budget 128                                   # the baseline
+arm alpha-128 --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity --budget 128  # scoring
+arm quant-int8-same-bytes "${tri[@]}" --budget-bytes "$KIB" --state quant --param quant.keys=token  # state
+arm merge-128 "${tri[@]}" --budget 128 --state merge                            # state
+arm newline-128 "${tri[@]}" --budget 128 --cadence newline                      # cadence
+arm loop-guard-128 "${tri[@]}" --budget 128 --decoding loop-guard               # decoding
+arm full --scorer full                                                          # the reference
