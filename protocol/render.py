@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from protocol.design_space import design_space_lines
 from protocol.errors import ProtocolError
 from protocol.io import load_json_object
 
@@ -89,6 +90,7 @@ def terminal_summary(rep) -> str:
     from protocol.report_fidelity import summary_lines
 
     out += summary_lines(rep.fidelity)
+    out += design_space_lines(rep.design_space)
     prov = rep.provenance
     if prov["plan_hashes"]:
         out.append(f"plan: {', '.join(h[:12] for h in prov['plan_hashes'])}; "
@@ -306,6 +308,8 @@ def write_report(rep, out_dir) -> list[Path]:
         put("diag_proxy.csv", pd.DataFrame(rep.proxy).to_csv(index=False))
     if rep.fidelity:
         put("fidelity_exploratory.csv", pd.DataFrame(rep.fidelity).to_csv(index=False))
+    if design_space_lines(rep.design_space):
+        put("design_space.csv", pd.DataFrame(rep.design_space).to_csv(index=False))
     put("report.tex", to_latex(rep))
     put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
     figures, figure_notes = report_figures.render_all(rep)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from protocol.comparisons import (BASELINE_SCORER, SUBSET_BOOT, budget_key, compare,  # noqa: F401
                                   match_baseline, mixed_family, pair_tests, plan_comparisons)
+from protocol.design_space import design_space_rows
 from protocol.diagnostics import (accounting_effects, aggregate_trace, effect_vs_n,  # noqa: F401
                                   proxy_agreement, subset_sizes, summarize_run)
 from protocol.errors import ProtocolError
@@ -38,10 +39,11 @@ class Report:
     notes: list
     settings: dict
     fidelity: list = field(default_factory=list)  # exploratory paired test on the fidelity proxy
+    design_space: list = field(default_factory=list)  # the comparisons grouped by family (protocol.design_space)
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "comparisons": self.comparisons, "arms": self.arms,
-                "fidelity_exploratory": self.fidelity,
+                "fidelity_exploratory": self.fidelity, "design_space": self.design_space,
                 "diagnostics": {"accounting": self.accounting, "subsets": self.subsets,
                                 "proxy": self.proxy, "proxy_correlation": self.proxy_corr},
                 "provenance": self.provenance, "notes": self.notes}
@@ -96,4 +98,5 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = No
     return Report(comparisons=rows, arms=arms, accounting=accounting_effects(rows),
                   subsets=subsets, proxy=proxy, proxy_corr=corr, traces=traces,
                   provenance=prov, notes=notes, settings=settings,
-                  fidelity=fidelity_comparisons(pairs, boot=settings["subset_boot"], seed=first["seed"]))
+                  fidelity=fidelity_comparisons(pairs, boot=settings["subset_boot"], seed=first["seed"]),
+                  design_space=design_space_rows(rows, runs, arms))

@@ -68,6 +68,14 @@ class Run:
 
     @property
     def budget(self):
+        """The cell's memory budget in tokens: the run's `budget`, except for a run given in KiB
+        (`budget_kib`) whose state stores tokens in another representation: there, the tokens those
+        KiB hold in full precision, so that it is compared at matched memory."""
+        kib, state = self.config.get("budget_kib"), self.config.get("state")
+        if kib is not None and state is not None and self.records:
+            per_token = self.records[0].get("kib_per_token")
+            if per_token:
+                return int(float(kib) // float(per_token) + 1e-9)
         return self.config.get("budget")
 
     @property
@@ -294,6 +302,10 @@ def _content_hash(config: dict) -> str | None:
 
 def _set_label(run: Run) -> None:
     run.label = f"{run.scorer}[{','.join(run.label_parts)}]" if run.label_parts else run.scorer
+    for fam in ("cadence", "routing", "state", "decoding"):  # a non-default mechanism is part of the arm's name
+        entry = run.config.get(fam)
+        if entry is not None:
+            run.label += f"+{entry.get('name') if isinstance(entry, dict) else entry}"
     if run.config.get("protect_prompt"):  # the report says which prompt rule ran
         run.label += "+pp"
     if run.config.get("engine"):

@@ -31,6 +31,7 @@ import pytest
 from click.testing import CliRunner
 
 from retention.cli import main
+from retention.models import model_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = (64, 128)
@@ -246,6 +247,37 @@ def test_the_study_at_its_real_shape(tmp_path, monkeypatch):
         lam = json.loads((Path(dev) / r["treatment_run"] / "config.json").read_text())["config"]["scorer_params"]["lam"]
         by_lam[lam].append(float(r["delta_pp"]))
     chosen = max(lambdas, key=lambda lam: (np.mean(by_lam[lam]), -lam))
+
+    # 2b. a design-space arm (non-default routing and state) against the same baseline, both models:
+    # alpha with per-layer kept sets and an int4 tail at the KiB of 128 full-precision tokens
+    ds = tmp_path / "design"
+    kib = {m: 128 * model_layout(m, "float32").bytes_per_token / 1024 for m in models}
+    for model in models:
+        cli("run", "--model", model, "--scorer", "alpha", "--lambda", chosen, "--routing", "per-layer",
+            "--state", "quant", "--param", "quant.bits=4", "--param", "quant.keys=token", "--param", "quant.group=8",
+            "--budget-bytes", kib[model], "--interval", 8, "--limit", 4, "--samples", K, "--max-new-tokens", TOKENS,
+            "--temperature", 0.7, "--out", ds, "--quiet")
+        cli("run", "--model", model, "--scorer", "triattention", "--budget", BUDGETS[1], "--interval", 8,
+            "--limit", 4, "--samples", K, "--max-new-tokens", TOKENS, "--temperature", 0.7, "--out", ds, "--quiet")
+    cli("report", ds, "--baseline", "triattention", "--out", tmp_path / "ds-report", "--boot", 1000)
+    ds_rows = read_csv(tmp_path / "ds-report" / "report.csv")
+    assert len(ds_rows) == 2
+    fam_rows = read_csv(tmp_path / "ds-report" / "design_space.csv")
+    assert {r["families"] for r in fam_rows} == {"scoring+routing+state"}  # alpha, per-layer, quant vs triattention
+    assert {r["budget"] for r in fam_rows} == {str(BUDGETS[1])}  # the quant arm's KiB: 128 full-precision tokens
+    for cfg_path in sorted(ds.glob("*alpha*/config.json")):
+        config = json.loads(cfg_path.read_text())["config"]
+        assert config["scorer_params"]["routing"] == "per-layer" and config["state"]["name"] == "quant"
+        recs = read_jsonl(cfg_path.parent / "records.jsonl")
+        # more tokens than the baseline's 128 for the same KiB, held on every record (recomputed)
+        assert config["budget"] > BUDGETS[1]
+        assert all(r["cache_mean_kib"] <= kib[config["model"]] + 1e-9 and not r["budget_exceeded"] for r in recs)
+        (base_cfg,) = [p for p in ds.glob("*triattention*/config.json")
+                       if json.loads(p.read_text())["config"]["model"] == config["model"]]
+        row = next(r for r in ds_rows if (ds / r["treatment_run"]) == cfg_path.parent)
+        mine = recompute(recs, read_jsonl(base_cfg.parent / "records.jsonl"), boot=1000, alpha=ALPHA, m=2)
+        assert float(row["delta_pp"]) == pytest.approx(100 * mine["delta"], abs=1e-9)
+        assert float(row["acc_treatment"]) == pytest.approx(mine["acc_t"], abs=1e-12)
 
     # 3. the plan: 4 cells, m = 4, the registered test, the registered runner
     plans = tmp_path / "plans"
