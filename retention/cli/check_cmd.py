@@ -46,7 +46,9 @@ def check_scorer_command(spec, params, context, share_budget, share_tokens):
               help="A parameter of the mechanism, e.g. --param quant.bits=4 (repeatable).")
 @click.option("--scorer", default="triattention", show_default=True,
               help="The scorer of the arm a non-scoring mechanism is checked in.")
-def check_command(target, params, scorer):
+@click.option("--context", type=click.IntRange(min=0, max=1 << 16), default=0, show_default=True,
+              help="Prompt tokens of the compaction-share figure of the arm (0: skip the figure).")
+def check_command(target, params, scorer, context):
     """Check that mechanism TARGET holds its family's contract on tiny random models: FAMILY:NAME with
     FAMILY one of cadence, routing, state, decoding (e.g. state:quant, decoding:path/to/file.py:Guard),
     or a scorer name (the checks of `check-scorer`).
@@ -65,13 +67,14 @@ def check_command(target, params, scorer):
     if family != "scorer":
         mechanism_class(family, name)
     if family == "scorer":
-        results = run_checks(name, resolve([name], {}, params)[name], share=False)
+        results = run_checks(name, resolve([name], {}, params)[name], share=context > 0, context=context)
     else:
         rest, entries = mechanism_options(params, {family: name}, [scorer])
         if rest:
             raise click.UsageError(f"--param {rest[0]!r} is not a parameter of {target}")
         entry = entries[family]
-        results = run_family_checks(family, name, entry["params"] if isinstance(entry, dict) else {}, scorer=scorer)
+        results = run_family_checks(family, name, entry["params"] if isinstance(entry, dict) else {}, scorer=scorer,
+                                    share=context > 0, context=context)
     for r in results:
         click.echo(r.line())
     failed = [r for r in results if r.ok is False]

@@ -341,8 +341,10 @@ def _share(kit: _Kit, context: int, budget: int, tokens: int) -> CheckResult:
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (context,), generator=g).tolist()
-    sc = kit.make()
-    policy = RetentionPolicy(sc, cadence_for(sc, budget))
+    sc, arm = kit.make(), kit.arm.policy()  # the arm's own mechanisms at the figure's budget
+    policy = RetentionPolicy(sc, cadence_for(sc, budget, kind=type(arm.cadence), params=kit.arm.cadence_spec.kwargs),
+                             arm.routing, arm.state, arm.decoding)
+    policy.prepare(kit.loaded.tokenizer)
     done = []
     eng = Engine(kit.loaded.model, [Request(0, prompt)], policy, SamplingConfig(max_new_tokens=tokens, ignore_eos=True),
                  set(), kit.loaded.geometry.kib_per_token, on_finish=lambda r, gen: done.append(gen))

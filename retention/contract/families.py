@@ -40,11 +40,12 @@ def parse_target(target: str) -> tuple[str, str]:
 
 
 def run_family_checks(family: str, name: str, params: dict | None = None, *, scorer: str = DEFAULT_SCORER,
-                      share: bool = False) -> list[CheckResult]:
-    """Every check of mechanism `name` of `family` (with `params`) in an arm of `scorer`."""
+                      share: bool = False, context: int = 8192) -> list[CheckResult]:
+    """Every check of mechanism `name` of `family` (with `params`) in an arm of `scorer`; share:
+    also the compaction share of decode time at a `context`-token prompt under this arm."""
     cls = mechanism_class(family, name)  # one error line for an unknown or broken plugin
     entry = {"name": name, "params": dict(params or {})}
-    results = run_checks(scorer, {}, share=share, mechanisms={family: entry})
+    results = run_checks(scorer, {}, share=share, context=context, mechanisms={family: entry})
     if any(r.name == "set-up" for r in results):
         return results
     with tempfile.TemporaryDirectory(prefix="retention-check-") as tmp:
