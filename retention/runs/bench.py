@@ -24,17 +24,24 @@ import time
 
 import torch
 
+from retention.runs.arms import validate_arm
+from retention.runs.scorer_options import scorer_fields
+from retention.scorers import get_scorer_class
+
 DYNAMIC = "dynamic-cache"
 IDEAL = "ideal-crop"
 REFERENCE_VARIANTS = (DYNAMIC, IDEAL)
 
 
-def _policy(scorer: str, budget: int | None, interval: int | None, accounting: str, params: dict):
-    from retention.runtime.policy import RetentionPolicy, cadence_for
-    from retention.scorers import make_scorer
-
-    sc = make_scorer(scorer, **params)
-    return RetentionPolicy(sc, cadence_for(sc, budget, interval, accounting))
+def _policy(model: str, scorer: str, budget: int | None, interval: int | None, accounting: str, params: dict):
+    """The policy of one variant, built as `retention run` builds an arm (`validate_arm` -> ArmSpec);
+    `params` are shared by every variant: each scorer takes the ones it has."""
+    fields = scorer_fields(scorer)
+    evicts = get_scorer_class(scorer).evicts
+    spec = validate_arm({"model": model, "scorer": scorer, "budget": budget if evicts else None,
+                         "interval": interval if evicts else None, "accounting": accounting,
+                         "scorer_params": {k: v for k, v in params.items() if k in fields and v is not None}})
+    return spec.policy()
 
 
 def _median_ms(xs: list[float]) -> float | None:
@@ -58,7 +65,7 @@ class _EngineStepper:
         from retention.runtime.engine import Engine, Request, SamplingConfig
 
         self.name, self.accounting, self.model = scorer, accounting, loaded.model
-        self.policy = _policy(scorer, budget, interval, accounting, params)
+        self.policy = _policy(loaded.name, scorer, budget, interval, accounting, params)
         self.gens = []
         cfg = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
         self.engine = Engine(loaded.model, [Request(i, prompt) for i in range(S)], self.policy, cfg, set(),
@@ -211,7 +218,7 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
            "budget": budget, "new_tokens": new_tokens, "prompt_tokens": len(math_prompt), "batch_sizes": batch_sizes,
            "contexts": contexts, "lockstep": True, "versions": library_versions(), "speed": [], "agreement": []}
     # One warm-up generation so that first-call overheads do not land on the first variant.
-    generate(loaded.model, math_prompt, _policy("full", None, None, "mean", {}), SamplingConfig(max_new_tokens=8), set(),
+    generate(loaded.model, math_prompt, _policy(loaded.name, "full", None, None, "mean", {}), SamplingConfig(max_new_tokens=8), set(),
              kib)
     for ctx in contexts:
         prompt = math_prompt if ctx is None else context_prompt(loaded.tokenizer, problems, ctx)
@@ -232,13 +239,13 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
         ref = {}
         for p in problems[:agreement_problems]:
             ids = format_prompt(loaded.tokenizer, p.problem, style)
-            ref[p.unique_id] = (ids, generate(loaded.model, ids, _policy("full", None, None, "mean", {}), greedy, set(), kib).token_ids)
+            ref[p.unique_id] = (ids, generate(loaded.model, ids, _policy(loaded.name, "full", None, None, "mean", {}), greedy, set(), kib).token_ids)
         for scorer in scorers:
             if scorer == "full" or scorer in REFERENCE_VARIANTS:
                 continue
             agree = []
             for pid, (ids, ref_tokens) in ref.items():
-                toks = generate(loaded.model, ids, _policy(scorer, budget, interval, "mean", params), greedy, set(), kib).token_ids
+                toks = generate(loaded.model, ids, _policy(loaded.name, scorer, budget, interval, "mean", params), greedy, set(), kib).token_ids
                 agree.append(next((i for i, (a, b) in enumerate(zip(toks, ref_tokens)) if a != b), len(ref_tokens)))
             out["agreement"].append({"scorer": scorer, "tokens_before_divergence": agree,
                                      "mean": sum(agree) / len(agree)})
