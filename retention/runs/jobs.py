@@ -69,13 +69,21 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
 
     loaded = on_reference_mla(load_model(model, dtype=dtype, device=device))
     arms = []
-    for spec in arm_specs:
-        prompt = {} if loaded.prompt == "chat" else {"prompt": loaded.prompt}
-        # Absent for a model that is not a GGUF file: those configurations keep their hash.
-        quant = {} if loaded.quant is None else {"model_quant": loaded.quant}
-        spec = spec.with_config(model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **quant,
-                                **(extra_config or {}))
-        arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
+    before = set(Path(out).iterdir()) if Path(out).is_dir() else set()
+    try:
+        for spec in arm_specs:
+            prompt = {} if loaded.prompt == "chat" else {"prompt": loaded.prompt}
+            # Absent for a model that is not a GGUF file: those configurations keep their hash.
+            quant = {} if loaded.quant is None else {"model_quant": loaded.quant}
+            spec = spec.with_config(model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **quant,
+                                    **(extra_config or {}))
+            arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
+    except RetentionError:  # a refused arm: the directories this command created for the others go too
+        for arm in arms:
+            arm.run.close()
+            if arm.run.path not in before:
+                remove_empty_run(arm.run.path)
+        raise
     if explores:
         _record_exploration(dataset, problems, [a.run.hash for a in arms])
     if batch_size is None:
@@ -84,6 +92,17 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
              grade=grade, progress=progress, shard=shard, batch_size=batch_size)
     return [a.run.path for a in arms]
+
+
+def remove_empty_run(path: Path) -> None:
+    """Remove a run directory this command created and wrote no record into (its configuration, lock
+    and empty record or trace files only); anything else in it is kept."""
+    disposable = {"config.json", ".lock"}
+    files = list(path.iterdir()) if path.is_dir() else []
+    if all(f.is_file() and (f.name in disposable or f.stat().st_size == 0) for f in files):
+        for f in files:
+            f.unlink()
+        path.rmdir()
 
 
 def _record_exploration(dataset: str, problems, config_hashes: list[str]) -> None:

@@ -116,3 +116,27 @@ def test_a_baseline_that_is_also_a_scorer_arm_is_refused(tmp_path):
                 "--max-new-tokens", "4", "--out", str(tmp_path / "out")])
     assert res.exit_code == 1 and "--baseline streaming is also a --scorer arm" in res.output
     assert len(res.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_refused_arm_leaves_no_run_directory_behind(tmp_path):
+    """Two arms, the second refused when its directory is opened (a changed plugin beside a run of
+    its old code): the first arm's directory, created by the same command, is removed again."""
+    from click.testing import CliRunner
+
+    from retention.cli import main
+    from retention.plugins import _loaded
+
+    plugin = tmp_path / "late.py"
+    plugin.write_text("from dataclasses import dataclass\nfrom retention.scorers import Scorer\n\n@dataclass\n"
+                      "class Pos(Scorer):\n    name = 'pos'\n    def score(self, view):\n"
+                      "        return view.positions[0].float()\n")
+    out = tmp_path / "runs"
+    common = ["run", "--model", "tiny-random", "--budget", "24", "--limit", "1", "--max-new-tokens", "4",
+              "--out", str(out), "--quiet", "--no-grade"]
+    assert CliRunner().invoke(main, [*common, "--scorer", f"{plugin}:Pos"]).exit_code == 0
+    plugin.write_text(plugin.read_text() + "# changed\n")
+    _loaded.clear()
+    before = sorted(p.name for p in out.iterdir())
+    res = CliRunner().invoke(main, [*common, "--scorer", f"streaming,{plugin}:Pos"])
+    assert res.exit_code == 1 and "belongs to another configuration" in res.output
+    assert sorted(p.name for p in out.iterdir()) == before  # no streaming directory left behind
