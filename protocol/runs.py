@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol import shards, stats
+from protocol.design_space import MECHANISM_KEYS
 from protocol.errors import ProtocolError
 from protocol.io import load_json_object, read_jsonl
 
@@ -110,8 +111,11 @@ class Run:
         engine = self.config.get("engine")  # a run of another engine (run --engine) is another arm
         prompt = "+protect-prompt" if self.config.get("protect_prompt") else ""  # the reference's prompt rule
         plugin = self.config.get("scorer_plugin")
+        # A non-default cadence, routing, state or decoding is another arm (absent keys: as before).
+        mechanisms = {k: self.config[k] for k in MECHANISM_KEYS if self.config.get(k) is not None}
         return (self.scorer + json.dumps(declared_params(self.config), sort_keys=True) + prompt
-                + (f"@{engine}" if engine else "") + (json.dumps(plugin, sort_keys=True) if plugin else ""))
+                + (f"@{engine}" if engine else "") + (json.dumps(plugin, sort_keys=True) if plugin else "")
+                + (json.dumps(mechanisms, sort_keys=True) if mechanisms else ""))
 
     @property
     def signature(self) -> str:

@@ -420,3 +420,18 @@ def test_report_out_removes_files_of_an_earlier_report_only(tmp_path):
     second = {p.name for p in report.write_report(report.build_report([runs], boot=100), out)}
     assert first == second
     assert not (out / "stale-figure.png").exists() and (out / "mine.txt").read_text() == "user file"
+
+
+def test_mechanisms_of_other_families_are_treatments_of_the_plain_baseline(tmp_path):
+    """triattention+quant and triattention+loop-guard share the baseline's scorer but not its arm:
+    each is compared with the plain triattention run, and the design-space table names the family."""
+    from protocol.report import build_report
+
+    make_run(tmp_path, scorer="triattention", seed=1)
+    make_run(tmp_path, scorer="triattention", seed=2, shift=0.1,
+             extra={"state": {"name": "quant", "params": {"bits": 4}}})
+    make_run(tmp_path, scorer="triattention", seed=3, extra={"decoding": {"name": "loop-guard", "params": {}}})
+    rep = build_report([tmp_path], baseline="triattention", boot=500)
+    assert sorted((r["treatment"], r["baseline"]) for r in rep.comparisons) == [
+        ("triattention+loop-guard", "triattention"), ("triattention+quant", "triattention")]
+    assert sorted(r["families"] for r in rep.design_space) == ["decoding", "state"]
