@@ -32,12 +32,7 @@ def check_scorer_command(spec, params, context, share_budget, share_tokens):
     options = resolve([spec], {}, params)[spec]
     results = run_checks(spec, options, context=context, share=context > 0, share_budget=share_budget,
                          share_tokens=share_tokens)
-    for r in results:
-        click.echo(r.line())
-    failed = [r for r in results if r.ok is False]
-    click.echo(f"{spec}: {sum(r.ok is True for r in results)}/{sum(r.ok is not None for r in results)} checks pass")
-    if failed:
-        raise click.exceptions.Exit(1)
+    _print(spec, results)
 
 
 @click.command("check")
@@ -75,11 +70,15 @@ def check_command(target, params, scorer, context):
         entry = entries[family]
         results = run_family_checks(family, name, entry["params"] if isinstance(entry, dict) else {}, scorer=scorer,
                                     share=context > 0, context=context)
+    _print(target, results)
+
+
+def _print(what: str, results) -> None:
+    """One line per check and a count; exit 1 unless every check passes."""
     for r in results:
         click.echo(r.line())
-    failed = [r for r in results if r.ok is False]
-    click.echo(f"{target}: {sum(r.ok is True for r in results)}/{sum(r.ok is not None for r in results)} checks pass")
-    if failed:
+    click.echo(f"{what}: {sum(r.ok is True for r in results)}/{sum(r.ok is not None for r in results)} checks pass")
+    if any(r.ok is False for r in results):
         raise click.exceptions.Exit(1)
 
 
