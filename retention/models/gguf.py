@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from retention.errors import RetentionError
-from retention.models.aliases import SplitGGUF
+from retention.models.aliases import SPLIT_GGUFS, SplitGGUF, resolve_model
 from retention.models.weights_cache import _CACHE_MARKER, _read_marker, cache_root, publish_dir, sha256_files
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,14 @@ def locate_parts(spec: SplitGGUF) -> list[Path]:
                                  f"{what}; install them with {spec.install_hint()}")
         parts.append(path)
     return parts
+
+
+def require_weights(name: str) -> None:
+    """Refuse, in one line and before any work is recorded, a model whose weight parts are missing
+    (an alias of a split GGUF whose packages are not installed); nothing for any other model."""
+    ref = resolve_model(name)
+    if ref.kind == "parts":
+        locate_parts(SPLIT_GGUFS[ref.source])
 
 
 def _fingerprint(paths: list[Path]) -> list[list[Any]]:

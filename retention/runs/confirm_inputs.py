@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from retention.errors import RetentionError
+from retention.models.gguf import require_weights
 
 
 # Runner specs registered before the job modules moved into `retention.runs` (plans keep their spec).
@@ -104,3 +105,4 @@ def validate_confirm_arm(cfg: dict) -> None:
         allowed = sorted((arms._ARM_KEYS - {"stats_sha256"}) | {"samples", "seed", "max_new_tokens"})
         raise RetentionError(f"unknown configuration key(s) {unknown} (a mistyped --override?); allowed: {allowed}")
     arms.validate_arm(cfg)
+    require_weights(cfg["model"])  # before the registry records the cell as started

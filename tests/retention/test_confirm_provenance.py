@@ -90,3 +90,35 @@ def test_a_registered_runner_whose_code_changed_is_refused(tmp_path, monkeypatch
     (folder / "myrunner.py").write_text(RUNNER_CODE)  # as registered: confirms
     res = _cli(["confirm", "--plan", str(plan), "--out", str(out), "--code-version", "0.1.0+gtest"])
     assert res.exit_code == 0, res.output
+
+
+def test_missing_model_parts_are_refused_before_the_cell_is_started(tmp_path):
+    """A plan on a split-GGUF model whose weight parts are not installed: one error line naming the
+    install command, and neither a crash deviation nor a "started" cell in the registry."""
+    import pytest
+
+    from protocol import ledger
+    from retention.errors import RetentionError
+    from retention.models.gguf import require_weights
+
+    try:
+        require_weights("qwen2.5-coder-1.5b")
+        pytest.skip("the qwen2.5-coder-1.5b weight parts are installed here: nothing is missing to refuse")
+    except RetentionError:
+        pass
+    res = _cli(["preregister", "--out", str(tmp_path), "--model", "qwen2.5-coder-1.5b", "--budget", "128",
+                "--treatment-set", "scorer=rkv", "--baseline-set", "scorer=streaming", "-k", "1",
+                "--max-new-tokens", "16", "--code-version", "0.1.0+gtest"])
+    assert res.exit_code == 0, res.output
+    (plan,) = tmp_path.glob("plan-*.json")
+    out = tmp_path / "confirm"
+    res = _cli(["confirm", "--plan", str(plan), "--out", str(out), "--code-version", "0.1.0+gtest", "--allow-dirty"])
+    assert res.exit_code == 1, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and "needs its weight parts" in lines[0] and "pip install" in lines[0], res.output
+    assert not out.exists()
+    from protocol.plans import cell_identity, cell_key
+
+    doc, _ = prereg.load_plan(plan)
+    (cell,) = doc["cells"]
+    assert ledger.Registry().cell_attempts(cell_key(cell_identity(doc, cell))) == []
