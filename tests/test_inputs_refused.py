@@ -1,4 +1,4 @@
-"""The inputs issue 12 found ending in a traceback, accepted silently or damaging files: each is
+"""Inputs that once ended in a traceback, were accepted silently or damaged files: each is
 now one `Error:` line with exit 1 (or, for valid input, a correct result), and nothing is lost."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The run-side inputs of issue 18 (the study at its real shape) that ended in "a bug", were accepted
+"""Run-side inputs of the study at its real shape that once ended in "a bug", were accepted
 silently or depended on where a file lies: each is now one `Error:` line with exit 1 and nothing
 written, or the arm is named by content."""
 
