@@ -17,13 +17,7 @@ KIB=${KIB:-1536}  # 128 tokens of this model's full-precision cache (12 KiB per 
 mkdir -p "$OUT"
 common=(--model "$MODEL" --dtype bfloat16 --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature 0.6 --top-p 0.95
         --batch-size "$BATCH" --out "$OUT/runs" --quiet)
-arm() {  # name, then the run options of the arm
-  local name=$1; shift
-  if [ -n "${ARMS:-}" ] && [[ " $ARMS " != *" $name "* ]]; then return; fi
-  local start=$(date +%s)
-  "$RETENTION" run "${common[@]}" "$@" | tee -a "$OUT/run.log"
-  printf '%s\t%s\n' "$name" "$(( $(date +%s) - start ))" >> "$OUT/timings.tsv"
-}
+source "$(dirname "$0")/arm.sh"
 tri=(--scorer triattention --stats "$STATS" --fidelity)
 arm triattention-128 "${tri[@]}" --budget 128                                   # the baseline
 arm alpha-128 --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity --budget 128  # scoring

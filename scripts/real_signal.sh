@@ -23,13 +23,7 @@ stats="$OUT/stats-$MODEL.safetensors"
 [ -f "$stats" ] || "$RETENTION" calibrate --model "$MODEL" --dtype bfloat16 --out "$stats"
 common=(--model "$MODEL" --dtype bfloat16 --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature "${TEMPERATURE:-0}" --top-p "${TOP_P:-0.95}"
         --batch-size "$BATCH" --out "$OUT/runs" --quiet)
-arm() {  # name, then the run options of the arm
-  local name=$1; shift
-  if [ -n "${ARMS:-}" ] && [[ " $ARMS " != *" $name "* ]]; then return; fi
-  local start=$(date +%s)
-  "$RETENTION" run "${common[@]}" "$@" | tee -a "$OUT/run.log"
-  printf '%s\t%s\n' "$name" "$(( $(date +%s) - start ))" >> "$OUT/timings.tsv"
-}
+source "$(dirname "$0")/arm.sh"
 arm full --scorer full
 arm alpha-128 --scorer alpha --lambda 0.5 --budget 128 --stats "$stats" --fidelity
 arm triattention-128 --scorer triattention --budget 128 --stats "$stats" --fidelity

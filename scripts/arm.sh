@@ -1,0 +1,10 @@
+# Sourced by the results scripts (real_signal.sh, design_space.sh): run one arm, log it, time it.
+# Needs RETENTION (the CLI), OUT (the results folder) and the array `common` (options of every arm);
+# ARMS="a b" runs only the arms so named.
+arm() {  # name, then the run options of the arm
+  local name=$1; shift
+  if [ -n "${ARMS:-}" ] && [[ " $ARMS " != *" $name "* ]]; then return; fi
+  local start=$(date +%s)
+  "$RETENTION" run "${common[@]}" "$@" | tee -a "$OUT/run.log"
+  printf '%s\t%s\n' "$name" "$(( $(date +%s) - start ))" >> "$OUT/timings.tsv"
+}
