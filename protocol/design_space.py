@@ -8,6 +8,12 @@ memory with its CI and p (from the main table: the same test), and what each arm
 tokens per (layer, KV head) and mean KiB per sequence. "Matched memory" is the report's cell: runs
 at the same budget (for an arm with `--budget-bytes` and a non-full state, the budget is the
 full-precision tokens those KiB hold: `protocol.runs.Run.budget`).
+
+The iso-cache diagnostic rides along each row: the same comparison under `prefill` accounting (the
+published convention, where the budget is the cache right after a compaction and the mean is larger),
+when the report holds it. A gain that holds under `prefill` but not under `mean` came from a larger
+mean cache, not from the mechanism. A `prefill` comparison is listed as a row of its own only when no
+`mean` (or `peak`) comparison of the same arms exists.
 """
 
 from __future__ import annotations
@@ -54,8 +60,17 @@ def design_space_rows(comparisons: list[dict], runs: list, arms: list[dict]) -> 
     """One row per comparison, labelled with the families it changes (`"none"`: same mechanisms)."""
     by_id = {r.run_id: r for r in runs}
     arm_of = {a["run_id"]: a for a in arms}
+
+    def same_arms(c: dict) -> tuple:
+        return c["model"], c.get("dataset"), c["budget"], c["treatment"], c["baseline"]
+
+    prefill = {same_arms(c): c for c in comparisons if c.get("accounting") == "prefill"}
+    matched = {same_arms(c) for c in comparisons if c.get("accounting") != "prefill"}
     rows = []
     for c in comparisons:
+        if c.get("accounting") == "prefill" and same_arms(c) in matched:
+            continue  # shown as the iso-cache columns of its mean-accounting row
+        iso = prefill.get(same_arms(c)) if c.get("accounting") != "prefill" else None
         t, b = by_id.get(c.get("treatment_run")), by_id.get(c.get("baseline_run"))
         if t is None or b is None:
             continue
@@ -69,6 +84,10 @@ def design_space_rows(comparisons: list[dict], runs: list, arms: list[dict]) -> 
             "p_bootstrap": c["p_bootstrap"], "p_bonferroni": c["p_bonferroni"], "verdict": c["verdict"],
             "t_cache_mean_tokens": ta.get("cache_mean_tokens"), "b_cache_mean_tokens": ba.get("cache_mean_tokens"),
             "t_cache_mean_kib": ta.get("cache_mean_kib"), "b_cache_mean_kib": ba.get("cache_mean_kib"),
+            "accounting": c.get("accounting"),
+            "iso_prefill_delta_pp": iso["delta_pp"] if iso else None,
+            "iso_prefill_p": iso["p_bootstrap"] if iso else None,
+            "iso_prefill_cache_mean_tokens": iso.get("t_cache_mean_tokens") if iso else None,
         })
     order = {f: i for i, f in enumerate(FAMILIES)}
     return sorted(rows, key=lambda r: (min((order.get(f, 9) for f in r["families"].split("+")), default=9),
@@ -86,8 +105,17 @@ def design_space_lines(rows: list[dict]) -> list[str]:
                    f"Δ {r['delta_pp']:+.2f} pp [{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}], "
                    f"p = {r['p_bootstrap']:.3g}, p_bonf = {r['p_bonferroni']:.3g}, {r['verdict']}; "
                    f"cache {_num(r['t_cache_mean_tokens'])} / {_num(r['b_cache_mean_tokens'])} tokens, "
-                   f"{_num(r['t_cache_mean_kib'])} / {_num(r['b_cache_mean_kib'])} KiB")
+                   f"{_num(r['t_cache_mean_kib'])} / {_num(r['b_cache_mean_kib'])} KiB; " + _iso(r))
     return out
+
+
+def _iso(r: dict) -> str:
+    if r["accounting"] == "prefill":
+        return "accounting prefill (no mean-accounting run of these arms: not matched memory)"
+    if r["iso_prefill_delta_pp"] is None:
+        return "iso-cache (prefill): not run"
+    return (f"iso-cache (prefill): Δ {r['iso_prefill_delta_pp']:+.2f} pp, p = {r['iso_prefill_p']:.3g}, "
+            f"{_num(r['iso_prefill_cache_mean_tokens'])} tokens")
 
 
 def _num(x) -> str:

@@ -435,3 +435,28 @@ def test_mechanisms_of_other_families_are_treatments_of_the_plain_baseline(tmp_p
     assert sorted((r["treatment"], r["baseline"]) for r in rep.comparisons) == [
         ("triattention+loop-guard", "triattention"), ("triattention+quant", "triattention")]
     assert sorted(r["families"] for r in rep.design_space) == ["decoding", "state"]
+
+
+def test_the_design_space_table_carries_the_iso_cache_diagnostic(tmp_path):
+    """The same state mechanism under `prefill` accounting rides along its mean-accounting row (Δ and p
+    from the prefill comparison itself), and a row without a prefill run says it was not run."""
+    from protocol.design_space import design_space_lines
+    from protocol.report import build_report
+
+    quant = {"state": {"name": "quant", "params": {"bits": 4}}}
+    make_run(tmp_path, scorer="triattention", seed=1)
+    make_run(tmp_path, scorer="triattention", seed=2, shift=0.1, extra=quant)
+    make_run(tmp_path, scorer="triattention", seed=3, accounting="prefill")
+    make_run(tmp_path, scorer="triattention", seed=4, shift=0.3, accounting="prefill", extra=quant)
+    make_run(tmp_path, scorer="triattention", seed=5, extra={"decoding": {"name": "loop-guard", "params": {}}})
+    rep = build_report([tmp_path], baseline="triattention", boot=500)
+    by = {(r["treatment"], r["accounting"]): r for r in rep.comparisons}
+    rows = {r["treatment"]: r for r in rep.design_space}
+    assert sorted(rows) == ["triattention+loop-guard", "triattention+quant"]  # the prefill row rides along
+    pre = by[("triattention+quant", "prefill")]
+    q = rows["triattention+quant"]
+    assert q["accounting"] == "mean" and q["delta_pp"] == by[("triattention+quant", "mean")]["delta_pp"]
+    assert q["iso_prefill_delta_pp"] == pre["delta_pp"] and q["iso_prefill_p"] == pre["p_bootstrap"]
+    assert rows["triattention+loop-guard"]["iso_prefill_delta_pp"] is None
+    lines = "\n".join(design_space_lines(rep.design_space))
+    assert f"iso-cache (prefill): Δ {pre['delta_pp']:+.2f} pp" in lines and "iso-cache (prefill): not run" in lines
