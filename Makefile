@@ -12,7 +12,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= results/demo
 
-.PHONY: install install-real-models run run-real run-small test test-ray test-vllm clean
+.PHONY: install install-real-models run run-real run-small test test-ray test-vllm bench-vllm clean
 
 install: $(VENV)/.installed
 
@@ -77,7 +77,19 @@ $(VLLM_VENV)/.installed: pyproject.toml
 # The HF side of the cross-engine check runs in .venv (this project's own torch and transformers).
 test-vllm: install $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} RETENTION_TEST_VLLM=1 RETENTION_HF_PYTHON=$(BIN)/python \
-		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/test_vllm_engine.py
+		RETENTION_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/test_vllm_engine.py tests/retention/test_engine_bench.py
+
+# This project's engine against vLLM (`retention bench --engine hf,vllm`): full-cache decode of both on the
+# same prompts, dtype and thread count, batch 1, 16 and 64, context 256, 256 new tokens, bf16 and float32;
+# the table on the terminal, the figures in BENCH_OUT. BENCH_MODEL=qwen2.5-coder-0.5b after
+# `make install-real-models`; BENCH_ARGS for more options (e.g. --threads 2).
+BENCH_MODEL ?= smollm2-135m
+BENCH_OUT ?= results/bench-vllm/$(BENCH_MODEL).json
+BENCH_ARGS ?=
+bench-vllm: install $(VLLM_VENV)/.installed
+	RETENTION_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m retention.cli bench --engine hf,vllm \
+		--model $(BENCH_MODEL) --dtype bfloat16,float32 --out $(BENCH_OUT) $(BENCH_ARGS) > /dev/null
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results/demo results/demo-small results/demo-real

@@ -87,6 +87,8 @@ STRING_BAD = {
     ("bench", "--batch-sizes"): ["x", "0", "-2", ","],
     ("bench", "--context"): ["x", "0", "1.5"],
     ("bench", "--layouts"): ["nope", ",", "mha,nope"],
+    ("bench", "--dtype"): ["bf16", ",", "float32,bfloat16", "float32,float32"],
+    ("bench", "--engine"): ["nope", ",", "hf,nope", "vllm,vllm"],
     ("audit", "targets"): ["no-such-layout"],
     ("check-scorer", "spec"): ["nope", "no_such_module:X", "in/afile:X", "in/missing.py:X", "os:path"],
     ("check", "target"): ["nope", "state:nope", "decoding:in/missing.py:X", "cadence:os:path", "routing:"],

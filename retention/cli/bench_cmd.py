@@ -15,6 +15,7 @@ from retention.errors import RetentionError
 # Options both benchmarks read; every other option belongs to one of them (`_LAYOUT_ONLY` or the scorer benchmark).
 _SHARED = {"contexts", "batch_sizes", "dtype", "device", "threads", "out"}
 _LAYOUT_ONLY = {"layouts", "steps"}
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @click.command("bench")
@@ -46,22 +47,45 @@ _LAYOUT_ONLY = {"layouts", "steps"}
 @click.option("--stats", "stats_path", type=click.Path(dir_okay=False), default=None, help="Calibration stats for triattention/alpha.")
 @click.option("--lambda", "lam", type=click.FloatRange(min=0, max=1e6), default=None,
               help="alpha/rkv redundancy weight.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True,
-              help="With --layouts the default is bfloat16 (the study's).")
+@click.option("--dtype", default="float32", show_default=True,
+              help="float32, bfloat16 or float16. With --layouts the default is bfloat16 (the study's); with "
+                   "--engine hf,vllm: a comma list (e.g. bfloat16,float32), default bfloat16.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1, max=1024), default=None,
               help="torch CPU threads, at most the CPU count (default: torch's choice).")
+@click.option("--engine", "engines", default="hf", show_default=True,
+              help="hf,vllm: full-cache decode of this project's engine and of vLLM side by side (same prompts, "
+                   "dtype, threads; vLLM in its own environment, $RETENTION_VLLM_PYTHON or .venv-vllm, as `make "
+                   "bench-vllm` builds it) [defaults there: --batch-sizes 1,16,64 --context 256 --max-new-tokens 256]; "
+                   "vllm alone: vLLM only.")
+@click.option("--vllm-eager", is_flag=True, default=False,
+              help="With --engine ...vllm: run vLLM without torch.compile (as `retention run --engine vllm` does).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Also write the figures to this JSON file (replaced atomically); they always go to stdout.")
 @splits_dir_option
 @click.pass_context
 def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, budget, budget_kib, interval, accounting,
-                  new_tokens, problems, agreement_tokens, stats_path, lam, dtype, device, threads, out, splits_dir):
+                  new_tokens, problems, agreement_tokens, stats_path, lam, dtype, device, threads, engines, vllm_eager,
+                  out, splits_dir):
     """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`;
-    with --layouts, decode step time against context for the 124M study layouts (random weights)."""
+    with --layouts, decode step time against context for the 124M study layouts (random weights); with
+    --engine hf,vllm, full-cache decode of this project's engine against vLLM's."""
     # Explicit means typed on the command line: an environment default (--splits-dir) is not a choice.
     given = {p.name: p.opts[0] for p in ctx.command.params
              if ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE}
+    from retention.runs.engine_bench import parse_engines
+
+    dtypes, engine_names = _dtype_list(dtype), parse_engines(engines)
+    if engine_names != ["hf"]:
+        if layouts is not None:
+            raise RetentionError("--engine with vllm measures a model's full-cache decode, not --layouts")
+        _engine_bench(model, engine_names, given, dtypes, contexts, batch_sizes, new_tokens, device, threads,
+                      vllm_eager, out, splits_dir)
+        return
+    if len(dtypes) != 1:
+        raise RetentionError(f"--dtype takes one dtype here, got {dtype!r} (a comma list only with --engine ...vllm)")
+    dtype = dtypes[0]
+    _refuse_foreign(given, {"vllm_eager"}, "only with --engine ...vllm")
     if layouts is not None:
         _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, threads, out)
         return
@@ -145,6 +169,39 @@ def _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, t
     figures = bench.run_layout_bench(names, ctxs, sizes, steps=steps or bench.DEFAULT_STEPS, dtype=dtype,
                                      device=device, echo=lambda msg: click.echo(msg, err=True))
     _emit(figures, out)
+
+
+def _engine_bench(model, engines, given, dtypes, contexts, batch_sizes, new_tokens, device, threads, vllm_eager, out,
+                  splits_dir) -> None:
+    """`--engine hf,vllm` (or vllm): validate, then measure (`retention.runs.engine_bench`)."""
+    from protocol.splits import load_split
+    from retention.models import resolve_device
+    from retention.runs.engine_bench import run_engine_bench
+
+    allowed = {"model", "engines", "vllm_eager", "contexts", "batch_sizes", "new_tokens", "dtype", "device", "threads",
+               "out", "splits_dir"}
+    _refuse_foreign(given, set(given) - allowed, "not with --engine ...vllm (it measures full-cache decode only)")
+    if "dtype" not in given:
+        dtypes = ["bfloat16"]
+    ctxs = _int_list(contexts or "256", "--context")
+    sizes = _int_list(batch_sizes or "1,16,64", "--batch-sizes")
+    if not ctxs or not sizes:
+        raise RetentionError("--context and --batch-sizes need at least one entry")
+    device = resolve_device(device)
+    _check_out(out)
+    _set_threads(threads)
+    figures = run_engine_bench(model, engines, dtypes, ctxs, sizes, new_tokens if "new_tokens" in given else 256,
+                               device, load_split("dev", splits_dir=splits_dir), enforce_eager=vllm_eager,
+                               echo=lambda msg: click.echo(msg, err=True))
+    _emit(figures, out)
+
+
+def _dtype_list(text: str) -> list[str]:
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in names if d not in _DTYPES]
+    if bad or not names or len(set(names)) != len(names):
+        raise RetentionError(f"--dtype takes distinct dtypes among {', '.join(_DTYPES)}, got {text!r}")
+    return names
 
 
 def _refuse_foreign(given: dict[str, str], names: set[str], why: str) -> None:

@@ -1,0 +1,198 @@
+"""`retention bench --engine hf,vllm`: full-cache decode of this project's engine and of vLLM, side by side.
+
+Both engines decode the same prompt token ids (`context` tokens of real text, `bench.context_prompt`),
+`S` copies per batch, EOS ignored, for `new_tokens` tokens, in the same dtype and on the same number
+of CPU threads; the figure of each is steady decode, aggregate tokens/s over the batch, the first
+token (which comes from the prefill) left out on both sides:
+
+* hf: this project's batched engine with the `full` policy (`bench.speed_rows`, the figure of a
+  plain `retention bench --scorer full`): `S * (N - 1)` tokens over the summed decode-step times.
+* vllm: vLLM's offline `LLM` in its own environment (`.venv-vllm`, whose torch and transformers
+  pins differ from this project's), driven through `retention.runs.engines.vllm_bench` in a child
+  process: `S * (N - 1)` tokens over the time of `max_tokens=N` minus that of `max_tokens=1`.
+
+Threads: the child gets `OMP_NUM_THREADS` = this process's torch thread count and
+`VLLM_CPU_OMP_THREADS_BIND=nobind`, so neither engine pins its threads to cores. The engines run one
+after the other (per dtype: this project's, then vLLM's), never at the same time.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from retention.errors import RetentionError
+from retention.runs.bench import context_prompt, speed_rows
+from retention.runs.engines.vllm_bench import BenchRequest, BenchResult, Point
+
+ENGINES = ("hf", "vllm")
+VLLM_PYTHON_ENV = "RETENTION_VLLM_PYTHON"
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: .venv-vllm lies beside `retention/`
+_LOG_TAIL = 20  # lines of vLLM's log shown when its child fails
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One row of the side-by-side table: aggregate steady-decode tokens/s of each engine."""
+
+    dtype: str
+    context: int
+    batch_size: int
+    hf_tokens_per_second: float | None
+    vllm_tokens_per_second: float | None
+    ratio_hf_vllm: float | None  # > 1: this project's engine is the faster
+
+
+def parse_engines(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ENGINES]
+    if bad or not names or len(set(names)) != len(names):
+        raise RetentionError(f"--engine takes a comma list of distinct engines among {', '.join(ENGINES)}, got {text!r}")
+    return [n for n in ENGINES if n in names]
+
+
+def side_by_side(hf: dict[tuple, float], vllm: dict[tuple, float], keys: list[tuple]) -> list[Comparison]:
+    """`keys` are (dtype, context, batch size) in table order; an engine not run has no entry."""
+    rows = []
+    for key in keys:
+        a, b = hf.get(key), vllm.get(key)
+        rows.append(Comparison(*key, a, b, a / b if a is not None and b else None))
+    return rows
+
+
+def format_table(rows: list[Comparison]) -> str:
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    lines = [f"{'dtype':<9} {'context':>7} {'batch':>5} {'hf tok/s':>9} {'vllm tok/s':>10} {'hf/vllm':>7}"]
+    lines += [f"{r.dtype:<9} {r.context:>7} {r.batch_size:>5} {fmt(r.hf_tokens_per_second, '9.1f')} "
+              f"{fmt(r.vllm_tokens_per_second, '10.1f')} {fmt(r.ratio_hf_vllm, '7.2f')}" for r in rows]
+    return "\n".join(lines)
+
+
+def vllm_python() -> Path:
+    """The python of vLLM's environment: $RETENTION_VLLM_PYTHON, else the checkout's `.venv-vllm`."""
+    given = os.environ.get(VLLM_PYTHON_ENV)
+    python = Path(given) if given else ROOT / ".venv-vllm" / "bin" / "python"
+    if not (python.is_file() and os.access(python, os.X_OK)):
+        raise RetentionError(f"vLLM's environment is missing (no {python}): build it with `make .venv-vllm/.installed` "
+                             f"(or `make bench-vllm`), or set {VLLM_PYTHON_ENV} to a python that has vllm")
+    return python
+
+
+def kv_cache_gib(kib_per_token: float, longest: int, batch_size: int) -> int:
+    """Whole GiB of vLLM KV cache for `batch_size` sequences of `longest` tokens, with a quarter to spare."""
+    return max(1, math.ceil(1.25 * kib_per_token * 1024 * longest * batch_size / 2**30))
+
+
+def child_env(threads: int, kv_gib: int) -> dict[str, str]:
+    """The environment of vLLM's child: this checkout first on the path, the same thread count, unpinned."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env.setdefault(KV_SPACE_ENV, str(kv_gib))  # a user's own setting wins
+    return env
+
+
+def run_vllm_child(python: Path, request: BenchRequest, env: dict[str, str], echo: Callable[[str], None]) -> BenchResult:
+    """Run `retention.runs.engines.vllm_bench` under `python`; its own progress lines reach `echo`,
+    the rest of vLLM's log is kept and its tail shown only if the child fails."""
+    proc = subprocess.Popen([str(python), "-m", "retention.runs.engines.vllm_bench"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc.stdin.write(request.to_json())
+    proc.stdin.close()
+    log = []
+    for line in proc.stderr:  # stdout holds one line, written last: reading stderr first cannot block
+        log.append(line.rstrip("\n"))
+        if line.startswith("vllm "):
+            echo(line.rstrip("\n"))
+    out = proc.stdout.read()
+    rc = proc.wait()
+    try:
+        raw = json.loads(out.strip().splitlines()[-1]) if out.strip() else None
+    except ValueError:
+        raw = None
+    if rc == 0 and isinstance(raw, dict) and "rows" in raw:
+        return BenchResult.from_json(raw)
+    for line in log[-_LOG_TAIL:]:
+        echo(line)
+    if isinstance(raw, dict) and "error" in raw:
+        raise RetentionError(f"vLLM bench: {raw['error']}")
+    last = next((ln for ln in reversed(log) if ln.strip()), "no output")
+    raise RetentionError(f"vLLM bench failed (exit {rc}, {python}): {last.strip()}")
+
+
+def hf_figures(model: str, dtype: str, device: str, prompts: dict[int, list[int]], batch_sizes: list[int],
+               new_tokens: int, echo: Callable[[str], None]) -> list[dict]:
+    """`bench.speed_rows` of the `full` policy at every (context, batch size), after one short warm-up."""
+    from retention.models import load_model
+
+    loaded = load_model(model, dtype=dtype, device=device)
+    first = next(iter(prompts.values()))
+    speed_rows(loaded, first, ["full"], None, 8, ["mean"], 1, None, {}, None)  # first-call overheads land on no point
+    rows = []
+    for ctx, prompt in prompts.items():
+        for bs in batch_sizes:
+            row = speed_rows(loaded, prompt, ["full"], None, new_tokens, ["mean"], bs, None, {}, ctx)[0]
+            echo(f"hf {dtype} S={bs} ctx={len(prompt)}: {row['tokens_per_second']:.2f} tok/s "
+                 f"(step {row['step_ms_median']:.1f} ms)")
+            rows.append(dict(row, dtype=dtype))
+    del loaded
+    gc.collect()  # the model's memory is free again before vLLM starts
+    return rows
+
+
+def run_engine_bench(model: str, engines: list[str], dtypes: list[str], contexts: list[int], batch_sizes: list[int],
+                     new_tokens: int, device: str, problems, *, enforce_eager: bool = False,
+                     echo: Callable[[str], None] = print) -> dict:
+    """Returns the JSON-ready figures (`comparison` is the table's rows); `echo` receives progress and the table."""
+    from transformers import AutoTokenizer
+
+    from retention.models.loading import model_layout
+    from retention.runs.engines.run import resolve_weights
+    from retention.versions import library_versions
+
+    if new_tokens < 2:
+        raise RetentionError("--max-new-tokens: the cross-engine bench times decode steps, so at least 2")
+    python = vllm_python() if "vllm" in engines else None  # before anything is measured
+    weights, model_id, revision = resolve_weights(model)
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    prompts = {c: context_prompt(tokenizer, problems, c) for c in contexts}
+    threads = torch.get_num_threads()
+    out = {"model": model, "model_id": model_id, "model_revision": revision, "weights": weights, "engines": engines,
+           "dtypes": dtypes, "contexts": contexts, "batch_sizes": batch_sizes, "new_tokens": new_tokens,
+           "device": device, "threads": threads, "versions": library_versions(), "hf": [], "vllm": [],
+           "decode": "aggregate tokens/s of steady decode: S * (new_tokens - 1) tokens, the prefill's first token left out"}
+    hf, vl = {}, {}
+    for dtype in dtypes:
+        if "hf" in engines:
+            for row in hf_figures(model, dtype, device, prompts, batch_sizes, new_tokens, echo):
+                out["hf"].append(row)
+                hf[(dtype, row["context"], row["batch_size"])] = row["tokens_per_second"]
+        if python is not None:
+            points = tuple(Point(c, bs, tuple(prompts[c])) for c in contexts for bs in batch_sizes)
+            request = BenchRequest(weights, dtype, new_tokens, points, enforce_eager=enforce_eager)
+            longest = max(len(p) for p in prompts.values()) + new_tokens
+            env = child_env(threads, kv_cache_gib(model_layout(model, dtype).kib_per_token, longest, max(batch_sizes)))
+            result = run_vllm_child(python, request, env, echo)
+            if "hf" in engines and result.device != torch.device(device).type:
+                raise RetentionError(f"vLLM ran on {result.device} and this project's engine on {device}: "
+                                     f"the figures would not compare (pass --device {result.device})")
+            out["vllm_run"] = {"python": str(python), "version": result.vllm_version, "device": result.device,
+                               "enforce_eager": enforce_eager,
+                               "env": {k: env[k] for k in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", KV_SPACE_ENV)}}
+            for r in result.rows:
+                out["vllm"].append(dict(asdict(r), dtype=dtype, decode_seconds=r.decode_seconds,
+                                        tokens_per_second=r.tokens_per_second))
+                vl[(dtype, r.context, r.batch_size)] = r.tokens_per_second
+    keys = [(d, c, bs) for d in dtypes for c in contexts for bs in batch_sizes]
+    table = side_by_side(hf, vl, keys)
+    out["comparison"] = [asdict(r) for r in table]
+    echo(format_table(table))
+    return out
