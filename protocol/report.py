@@ -2,8 +2,8 @@
 
 `build_report` loads run directories (`protocol.runs`), refuses a run reached twice, pairs the runs
 of each cell with the baseline arm (`protocol.comparisons`), applies the registered test to
-confirmed cells (`protocol.provenance`), runs the diagnostics (`protocol.diagnostics`) and returns
-a `Report`; `write_report` and `terminal_summary` render it (`protocol.render`).
+confirmed cells (`protocol.provenance`), runs the diagnostics (`protocol.diagnostics`) and the
+failure-mode counts (`protocol.failure_modes`) and returns a `Report`; `write_report` and `terminal_summary` render it (`protocol.render`).
 
 The names other modules use stay importable from here (`load_run`, `pair_runs`, `find_run_dirs`,
 `json_safe`, ...).
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from protocol.comparisons import (BASELINE_SCORER, SUBSET_BOOT, budget_key, compare,  # noqa: F401
                                   match_baseline, mixed_family, pair_tests, plan_comparisons)
 from protocol.design_space import design_space_rows
+from protocol.failure_modes import failure_modes
 from protocol.diagnostics import (accounting_effects, aggregate_trace, effect_vs_n,  # noqa: F401
                                   proxy_agreement, subset_sizes, summarize_run)
 from protocol.errors import ProtocolError
@@ -40,11 +41,13 @@ class Report:
     settings: dict
     fidelity: list = field(default_factory=list)  # exploratory paired test on the fidelity proxy
     design_space: list = field(default_factory=list)  # the comparisons grouped by family (protocol.design_space)
+    failure_modes: list = field(default_factory=list)  # per run: compacted at all, prompt evicted (protocol.failure_modes)
     runs: list = field(default_factory=list, repr=False)  # the loaded runs (the viewer reads them; not written)
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "comparisons": self.comparisons, "arms": self.arms,
                 "fidelity_exploratory": self.fidelity, "design_space": self.design_space,
+                "failure_modes": self.failure_modes,
                 "diagnostics": {"accounting": self.accounting, "subsets": self.subsets,
                                 "proxy": self.proxy, "proxy_correlation": self.proxy_corr},
                 "provenance": self.provenance, "notes": self.notes}
@@ -90,6 +93,8 @@ def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int 
                                           r.label, r.accounting != "mean", r.accounting))
     arms = [summaries[id(r)] for r in ordered]
     proxy, corr = proxy_agreement(arms)
+    failures, failure_notes = failure_modes(ordered)
+    notes += failure_notes
     traces = {}
     for run in runs:
         if run.trace:
@@ -109,4 +114,4 @@ def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int 
                   subsets=subsets, proxy=proxy, proxy_corr=corr, traces=traces,
                   provenance=prov, notes=notes, settings=settings,
                   fidelity=fidelity_comparisons(pairs, boot=settings["subset_boot"], seed=first["seed"]),
-                  design_space=design_space_rows(rows, runs, arms), runs=runs)
+                  design_space=design_space_rows(rows, runs, arms), failure_modes=failures, runs=runs)

@@ -10,6 +10,8 @@ under `out` as the equivalent `retention run` command. The scorer is a name or s
 takes) or a `Scorer` instance: its class is named by its importable `module:qualname` (or, for a
 class defined in a notebook, that text registered for this process) and its public dataclass fields
 become the arm's parameters; the class's source sha256 is part of the configuration either way.
+With `trace=True` the run directory's `trace.jsonl` also holds what each record's cache held;
+`traces(run_dir)` reads it back as `retention.runtime.trace.CacheTrace` objects.
 """
 
 from __future__ import annotations
@@ -54,14 +56,15 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
             accounting: str = "mean", sink: int | None = None, recent: int | None = None,
             protect_prompt: bool = False, dtype: str = "float32", device: str = "cpu", data_path: str | None = None,
             out: str | Path = "results", batch_size: int | None = None, grade: bool = True,
-            progress: bool = False, mechanisms: dict | None = None) -> list[dict]:
+            progress: bool = False, mechanisms: dict | None = None, trace: bool = False) -> list[dict]:
     """Generate one arm on the first `limit` problems of the dev split and return its records (the
     dicts of `records.jsonl`, docs/records.md), resuming the run directory if it exists.
 
     scorer: a built-in name, a plugin name or spec, or a `Scorer` instance; params: its parameters
     (names as its dataclass fields, e.g. {"lam": 0.5}) when given by name. mechanisms: the other
     families, `{"state": {"name": "quant", "params": {"bits": 4}}, "decoding": "loop-guard"}` (as in a
-    plan's arm). The other arguments are `retention run`'s options of the same names.
+    plan's arm). trace: record what each record's cache held (`--trace`; read the run directory's
+    trace.jsonl with `traces`). The other arguments are `retention run`'s options of the same names.
     """
     from protocol.io import read_jsonl
     from retention.runs.arms import validate_arm
@@ -79,8 +82,18 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
     spec = validate_arm(dict(base, scorer=name, scorer_params=scorer_params, **(mechanisms or {})))
     (run_dir,) = execute(model, dtype, device, [spec], split=split, data_path=data_path, limit=limit, samples=samples,
                          seed=seed, sampling=sampling, fidelity=False, grade=grade, out=Path(out),
-                         progress=progress, batch_size=batch_size)
+                         progress=progress, batch_size=batch_size, trace=trace)
     return read_jsonl(Path(run_dir) / "records.jsonl", "record").objects
+
+
+def traces(run_dir) -> dict[tuple[str, int], object]:
+    """{(problem_id, sample): `retention.runtime.trace.CacheTrace`} of a run directory written with
+    `trace=True` (`--trace`); records without a cache trace are left out."""
+    from protocol.io import read_jsonl
+    from retention.runtime.trace import CacheTrace
+
+    rows = read_jsonl(Path(run_dir) / "trace.jsonl", "trace").objects
+    return {(r["problem_id"], r["sample"]): CacheTrace.from_json(r["cache"]) for r in rows if "cache" in r}
 
 
 def records_frame(records: list[dict]):

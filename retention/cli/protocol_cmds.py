@@ -19,6 +19,7 @@ import click
 
 from retention.cli.options import splits_dir_option
 from retention.cli.view_cmd import echo_site, pieces_option_value, tokenizer_option
+from retention.errors import RetentionError
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,8 +246,11 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
 @click.option("--allow-dirty", is_flag=True,
               help="Confirm from a source tree with uncommitted changes (refused otherwise); logged as a "
                    "dirty_tree deviation of every cell.")
+@click.option("--trace", is_flag=True,
+              help="Record what each record's cache held in its run's trace.jsonl (as `run --trace`; not part of "
+                   "the registered configuration). Built-in runner only.")
 def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_version,
-                config_schema, runner_spec, splits_dir, shard_text, allow_dirty):
+                config_schema, runner_spec, splits_dir, shard_text, allow_dirty, trace):
     """Run a registered plan's cells on the confirm split and record them in the ledger.
 
     Each cell is recorded as started in the registry before its first generation (a shard too),
@@ -266,7 +270,9 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
 
     check_runner_sources(plan, runner_spec)  # the registered runner's code, as registered
     if runner is getattr(jobs, "confirm_runner", None):
-        runner = functools.partial(runner, splits_dir=splits_dir)
+        runner = functools.partial(runner, splits_dir=splits_dir, trace=trace)
+    elif trace:
+        raise RetentionError(f"--trace needs the built-in runner; {spec or plan.get('runner')} records no cache trace")
     # The split manifest these problems come from (--splits-dir's), checked against the plan's on
     # both paths: a shard generates, so it must refuse a differing manifest as the merge does.
     manifest_hash = manifest_hash or manifest_sha256(splits_dir, dataset=plan.get("dataset", "math500"))

@@ -101,6 +101,10 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Base seed; each (problem, sample) derives its own.")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens (tests, benchmarks).")
 @click.option("--fidelity", is_flag=True, help="Also decode with the full cache and record per-step KL and top-1 agreement.")
+@click.option("--trace", is_flag=True,
+              help="Record what each record's cache held (kept positions per compaction, layer group and KV head; "
+                   "merged/quantised tokens; per-step KL with --fidelity) in trace.jsonl (docs/records.md). Not "
+                   "part of the configuration hash; a run directory resumes only with its own setting.")
 @click.option("--no-grade", is_flag=True, help="Do not grade records as they are written.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
@@ -126,7 +130,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
                    "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, cadence, routing, state, decoding, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
-                seed, ignore_eos, fidelity, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
+                seed, ignore_eos, fidelity, trace, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
                 shards, gpus_per_shard, cpus_per_shard, retries, engine):
     """Generate on the dev split under retention policies and write resumable run directories.
 
@@ -176,7 +180,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
                  for name in names]
     job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
                limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-               out=Path(out), batch_size=batch_size, splits_dir=splits_dir, engine=engine, dataset=dataset)
+               out=Path(out), batch_size=batch_size, splits_dir=splits_dir, engine=engine, dataset=dataset,
+               trace=trace)
     ray_opts = None
     given = [f for f, v in (("--gpus-per-shard", gpus_per_shard), ("--cpus-per-shard", cpus_per_shard),
                             ("--retries", retries)) if v is not None]

@@ -35,7 +35,7 @@ def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: fl
 
 def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples, seed, sampling, fidelity, grade,
             out: Path, progress=True, problems=None, extra_config=None, shard=None, batch_size=None,
-            splits_dir=None, engine="hf", dataset="math500"):
+            splits_dir=None, engine="hf", dataset="math500", trace=False):
     """Load the model and problems, open one run directory per arm, generate. Returns the run dirs.
 
     shard: a `retention.runs.scale.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
@@ -46,7 +46,9 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     run resumes at any batch size; each record notes the batch size it was decoded in.
     dataset: math500 (dev or confirm split) or an AIME set, which has no dev split: a dev run explores
     its whole set, and that is recorded in the exploration registry (`protocol.exploration`).
-    The model's prompt style goes into each configuration as `prompt` unless it is "chat"."""
+    The model's prompt style goes into each configuration as `prompt` unless it is "chat".
+    trace: record what each sequence's cache held (`--trace`, docs/records.md); not part of the
+    configuration hash, noted in config.json, and a run directory resumes only with its own setting."""
     from protocol.splits import run_problems
     from retention.runs.scale.merge import open_shard_run
     from retention.models import load_model
@@ -59,6 +61,9 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     explores = split == "dev" and dataset != "math500"  # an AIME set has no dev split: this explores it
     if engine != "hf":
         from retention.runs.engines.run import execute_with_engine
+
+        if trace:
+            raise RetentionError(f"--trace records this project's cache and needs --engine hf, not {engine}")
 
         if explores:
             _record_exploration(dataset, problems, [])
@@ -77,7 +82,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
             quant = {} if loaded.quant is None else {"model_quant": loaded.quant}
             spec = spec.with_config(model_id=loaded.model_id, model_revision=loaded.revision, **prompt, **quant,
                                     **(extra_config or {}))
-            arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
+            arms.append(Arm(open_shard_run(out, spec.config, shard, trace=trace), spec))
     except RetentionError:  # a refused arm: the directories this command created for the others go too
         for arm in arms:
             arm.run.close()
@@ -90,7 +95,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         batch_size = min(auto_batch_size(loaded, a.spec.cadence, sampling["max_new_tokens"]) for a in arms)
         print(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", file=sys.stderr)
     run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
-             grade=grade, progress=progress, shard=shard, batch_size=batch_size)
+             grade=grade, progress=progress, shard=shard, batch_size=batch_size, trace=trace)
     return [a.run.path for a in arms]
 
 
@@ -113,12 +118,14 @@ def _record_exploration(dataset: str, problems, config_hashes: list[str]) -> Non
     record_exploration(dataset, [p.unique_id for p in problems], config_hashes)
 
 
-def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, splits_dir=None, shard=None) -> Path:
+def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, splits_dir=None, shard=None,
+                   trace: bool = False) -> Path:
     """The generation runner of `retention confirm` (contract in `protocol.prereg`).
 
     Runs one arm of one registered cell on the confirm split through the same code as
     `retention run`, resuming an interrupted run; returns its run directory. shard: only that
     shard's pairs (`retention confirm --shard`); without it, complete shards are merged first.
+    trace: `retention confirm --trace` (not part of the registered configuration).
     """
     from protocol.splits import load_split
 
@@ -156,6 +163,6 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
     dirs = execute(base["model"], base["dtype"], base["device"], [spec], split="confirm", data_path=base["data"],
                    limit=base["limit"], samples=base["samples"], seed=base["seed"], sampling=sampling,
                    fidelity=base["fidelity"], grade=True, out=Path(out_dir), progress=True, problems=problems,
-                   extra_config=extra, shard=shard, engine=base.get("engine", "hf"), dataset=dataset)
+                   extra_config=extra, shard=shard, engine=base.get("engine", "hf"), dataset=dataset, trace=trace)
     return dirs[0]
 

@@ -1,7 +1,8 @@
 """Runs: a resolved configuration, a run directory, resumable append-only records.
 
 A run directory (`<out>/<run-id>/`) holds `config.json`, `records.jsonl` (one line per (problem,
-sample), flushed as each finishes) and `trace.jsonl` (per-record cache trace). The run id ends with
+sample), flushed as each finishes) and `trace.jsonl` (per-record cache trace; with `--trace` each
+line also holds what the cache held, `retention.runtime.trace`). The run id ends with
 the configuration hash, so rerunning the same command finds the same directory and resumes:
 finished records are skipped, a half-written last line is discarded, nothing is duplicated.
 
@@ -143,6 +144,9 @@ class RunDir:
     # A shard of a run writes its own files (retention.runs.scale.shard): records.shard-I-of-N.jsonl, ...
     records_name: str = "records.jsonl"
     trace_name: str = "trace.jsonl"
+    # --trace: every record's trace line holds its cache trace. Not in the configuration (nor its
+    # hash): config.json notes it beside it, and a directory's records are all traced or none.
+    trace: bool = False
     records: RecordStore = field(init=False)
 
     def __post_init__(self):
@@ -165,6 +169,7 @@ class RunDir:
                 keys = differing_keys(old, self.config) if isinstance(old, dict) else []
                 what = f" ({', '.join(keys)} differ)" if keys else ""
                 raise RetentionError(f"{cfg_file} belongs to another configuration{what}; choose another --out")
+            self._settle_trace(cfg_file, existing)
         else:
             meta = {
                 "run_id": self.path.name,
@@ -174,10 +179,25 @@ class RunDir:
                 "versions": library_versions(),
                 "code_version": code_version(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "trace": self.trace,
             }
             write_json(cfg_file, meta)
         self.records = RecordStore(self.path / self.records_name, h)
         self._repair_trace()
+
+    def _settle_trace(self, cfg_file: Path, meta: dict) -> None:
+        """Resume only with the directory's own --trace setting (absent: untraced, as every run before
+        traces); a directory that holds no record yet takes the new one."""
+        from protocol.shards import record_files
+
+        was = bool(meta.get("trace", False))
+        if was == self.trace:
+            return
+        if any(p.stat().st_size for p in record_files(self.path)):
+            flag = "with" if was else "without"
+            raise RetentionError(f"{self.path} was written {flag} --trace; resume it {flag} --trace (a run's records "
+                                 "are all traced or none), or choose another --out")
+        write_json(cfg_file, dict(meta, trace=self.trace))
 
     def _repair_trace(self) -> None:
         path = self.path / self.trace_name
@@ -209,9 +229,14 @@ class RunDir:
         """(problem, sample index) pairs without a record, generated lazily in problem order."""
         return ((p, s) for p in problems for s in range(samples) if not self.records.has(p.unique_id, s))
 
-    def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float]) -> None:
-        append_line(self.path / self.trace_name,
-                    jsonl_line({"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}))
+    def append_trace(self, problem_id: str, sample: int, steps: list[int], tokens: list[float],
+                     cache: dict | None = None) -> None:
+        """One record's trace line: the meter's downsampled per-step cache length and, in a traced
+        run, what the cache held (`cache`, `CacheTrace.to_json()`)."""
+        line = {"problem_id": problem_id, "sample": sample, "steps": steps, "tokens": tokens}
+        if cache is not None:
+            line["cache"] = cache
+        append_line(self.path / self.trace_name, jsonl_line(line))
 
 
 def _hold_lock(run_dir: Path, name: str = ".lock"):
@@ -239,11 +264,11 @@ def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tupl
     return total, total - done
 
 
-def open_run(out: Path, config: dict, shard=None) -> RunDir:
+def open_run(out: Path, config: dict, shard=None, trace: bool = False) -> RunDir:
     """The run directory of `config` under `out`; a `retention.runs.scale.shard.Shard` writes its own files."""
     if shard is None:
-        return RunDir(Path(out) / run_id_for(config), config)
-    return RunDir(Path(out) / run_id_for(config), config, shard.records_name, shard.trace_name)
+        return RunDir(Path(out) / run_id_for(config), config, trace=trace)
+    return RunDir(Path(out) / run_id_for(config), config, shard.records_name, shard.trace_name, trace=trace)
 
 
 @dataclass
@@ -277,8 +302,10 @@ def auto_batch_size(loaded, cadence, max_new_tokens: int, prompt_tokens: int = 5
 
 def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, prompt_tokens: int,
                 token_ids: list[int], text: str, finish_reason: str, meter, cadence, wall_seconds: float,
-                batch_size: int, gold, grader=None, fidelity=None, problem: str | None = None) -> dict:
-    """One record of the schema in docs/records.md; every engine writes its records through this."""
+                batch_size: int, gold, grader=None, fidelity=None, problem: str | None = None,
+                trace=None) -> dict:
+    """One record of the schema in docs/records.md; every engine writes its records through this.
+    trace: the sequence's `CacheTrace` in a traced run (its prompt summary joins the record)."""
     record = {
         "config_hash": config_hash,
         "problem_id": problem_id,
@@ -299,6 +326,8 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
     }
     if fidelity is not None:
         record["fidelity"] = fidelity.summary()
+    if trace is not None:
+        record.update(prompt_evicted_step=trace.prompt_evicted_step, prompt_held_final=trace.prompt_held_final)
     if grader is not None and gold is not None:
         gr = grader(text, gold, problem=problem)  # the problem text lists a multiple-choice problem's options
         record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
@@ -315,12 +344,12 @@ def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, b
                        text=output_text(tok, prompt, g.token_ids), finish_reason=g.finish_reason,
                        meter=g.meter, cadence=arm.spec.cadence, wall_seconds=g.wall_seconds, batch_size=batch_size,
                        gold=getattr(p, "answer", None), grader=grader, fidelity=g.fidelity,
-                       problem=getattr(p, "problem", None))
+                       problem=getattr(p, "problem", None), trace=g.trace)
 
 
 def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
              fidelity: bool = False, grade: bool = True, progress: bool = True, batch_size: int = 1,
-             shard=None) -> None:
+             shard=None, trace: bool = False) -> None:
     """Generate every missing (problem, sample) record of every arm, `batch_size` sequences at a time.
 
     Each arm decodes the same pairs with the same seed per (problem, sample); arms alternate chunk by
@@ -328,14 +357,19 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     so a killed run loses only the sequences in flight.
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
     `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
-    `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them).
+    `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them). trace: record
+    what each sequence's cache held (`retention.runtime.trace.CacheTracer`) into its trace line.
     """
     from tqdm import tqdm
 
     from retention.runtime.engine import Request, SamplingConfig, run_engine
+    from retention.runtime.trace import CacheTracer
     from retention.models import format_prompt
     from retention.scorers import is_builtin
 
+    mixed = [a.run.path for a in arms if a.run.trace != trace]
+    if mixed:  # a traced directory takes only traced records, and the other way round
+        raise RetentionError(f"{mixed[0]} is opened with trace={not trace}, the run with trace={trace}")
     grader = None
     if grade:
         from protocol.grading import grade as grader
@@ -366,7 +400,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                 p, s = req.key
                 record = _record(_arm, p, s, req.seed, req.prompt_ids, g, tok, grader, batch_size)
                 steps, tokens = g.meter.trace()
-                _arm.run.append_trace(p.unique_id, s, steps, tokens)
+                _arm.run.append_trace(p.unique_id, s, steps, tokens, None if g.trace is None else g.trace.to_json())
                 _arm.run.records.append(record)
                 bar.update(1)
 
@@ -377,6 +411,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                     bar.refresh()
 
             policy = arm.spec.policy()
+            if trace:
+                policy.tracer = CacheTracer()
             policy.prepare(tok)
             try:
                 run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,

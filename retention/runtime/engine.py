@@ -37,6 +37,7 @@ from retention.runtime.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVI
 from retention.runtime.cache import RetentionCache
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
+from retention.runtime.trace import CacheTrace
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Generation:
     decode_seconds: list[float] = field(default_factory=list)  # per decode forward (of the whole batch)
     compaction_seconds: list[float] = field(default_factory=list)  # per compaction step (scoring + gather)
     step_logits: list[torch.Tensor] | None = None  # only with keep_logits=True (tests)
+    trace: CacheTrace | None = None  # what the cache held (policy.tracer a CacheTracer: --trace)
 
 
 @dataclass
@@ -137,6 +139,7 @@ class SequenceState:
     compact_s: list[float] = field(default_factory=list)
     logits: list[torch.Tensor] | None = None
     finish: str | None = None
+    slot: int = 0
 
     def stop(self, tok: int, eos: set[int], sampling: SamplingConfig) -> bool:
         """After appending `tok`: whether the sequence ends here, and why (`finish`: "eos" or "length")."""
@@ -244,7 +247,7 @@ class Engine:
             self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
         st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget,
                                             budget_kib=policy.budget_kib), self.gens[slot],
-                   Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None)
+                   Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None, slot=slot)
         tmp = self.adapter.new_cache(P, policy.scorer)
         tmp.slots, tmp.prompt_lengths = [slot], [P]
         ids = torch.tensor([req.prompt_ids], device=dev)
@@ -276,7 +279,7 @@ class Engine:
 
     def _finish(self, st: SequenceState) -> None:
         g = Generation(st.out, st.finish, st.meter, _now(self.device) - st.t0, st.fid, st.decode_s, st.compact_s,
-                       st.logits)
+                       st.logits, self.policy.tracer.finish(st.slot, len(st.out), st.meter.steps, st.fid))
         self.stats.finished += 1
         if self.on_finish is not None:
             self.on_finish(st.req, g)

@@ -11,6 +11,10 @@ says which rows are due, the routing selects with the scorer's scores, the state
 gather), `adjust` on the logits before sampling, `row_kib` for the meter and `reset_slot` when a slot
 starts a sequence. The defaults (`fixed`, `native`, `full`, `none`) are today's behaviour bit for bit.
 
+The policy also holds the run's tracer (`tracer`, `retention.runtime.trace`): the default `NullTracer`
+records nothing; a `--trace` run's `CacheTracer` is told of each prefill and each compaction here, and
+the engine asks it for the sequence's trace when the sequence ends.
+
 The cadence is per row (sequence slot): after a forward, every row whose own stored length reached
 `b + N` (or its prompt exceeded `b`, at prefill) is due, and the scorer runs once over all the rows due
 at that step (one `CacheView`, vectorised over them). Rows that keep different numbers of tokens (only
@@ -30,6 +34,7 @@ from retention.runtime.decoding import Decoding
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.routing import Routing
 from retention.runtime.state import State
+from retention.runtime.trace import NullTracer
 
 if TYPE_CHECKING:  # the type only: the scorers read this package's cache, the policy just calls them
     from retention.scorers.base import Scorer
@@ -43,6 +48,7 @@ class RetentionPolicy:
     state: State = field(default_factory=State)
     decoding: Decoding = field(default_factory=Decoding)
     budget_kib: float | None = None  # --budget-bytes: the meter holds the mean KiB to it too
+    tracer: NullTracer = field(default_factory=NullTracer)  # --trace: a CacheTracer
 
     def __post_init__(self):
         self.scorer = self.routing.configure(self.scorer)
@@ -57,12 +63,14 @@ class RetentionPolicy:
     def reset(self) -> None:
         """A run starts: clear every mechanism's per-run state."""
         self.scorer.reset()
+        self.tracer.reset()
 
     def reset_slot(self, slot: int, seed: int) -> None:
         """Engine slot `slot` starts a new sequence whose seed is `seed`."""
         self.scorer.reset_slot(slot, seed)
         self.state.reset_slot(slot, seed)
         self.decoding.reset_slot(slot, seed)
+        self.tracer.begin(slot)
 
     def row_kib(self, cache: RetentionCache, row: int, kib_per_token: float) -> float | None:
         """KiB row `row` stores now (None: stored tokens x kib_per_token, every token in full precision)."""
@@ -85,6 +93,8 @@ class RetentionPolicy:
         rows = cache.rows
         nxt = [int(next_position)] * rows if isinstance(next_position, int) else [int(t) for t in next_position]
         meters = [meter] * rows if isinstance(meter, BudgetMeter) else list(meter)
+        if prefill:
+            self.tracer.prefilled(cache)
         self.scorer.observe(cache, nxt)
         due = self.due_rows(cache, prefill, tokens)
         if due:
@@ -106,6 +116,7 @@ class RetentionPolicy:
             self.state.before_compaction(cache, grp, keep, view)
             cache.compact_rows(grp, keep)
             self.state.after_compaction(cache, grp, nxt, meters[grp[0]].kib_per_token)
+            self.tracer.compacted(cache, grp, keep, view, self)
             self.scorer.compacted(keep, view)
             for r in grp:
                 meters[r].note_compaction([cache.lengths[r]])

@@ -53,6 +53,12 @@ class Routing:
         """Kept indices for `k` tokens per (layer,) row and KV head: the scorer's own selection."""
         return scorer.select(scores, view, k)
 
+    def allocation(self, view, k: int) -> torch.Tensor | None:
+        """Tokens this routing gave each (cache group,) row and KV head at its last `select`,
+        `[Lc, B, G]` or `[1, B, G]` for all groups, for a routing that allocates (read by a `--trace`
+        run's tracer). None: every (layer, head) keeps `k` (every routing built so far)."""
+        return None
+
 
 @dataclass
 class Shared(Routing):

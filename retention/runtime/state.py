@@ -11,7 +11,8 @@ layers `L`. A state acts at two moments of a compaction of the rows `rows` (the 
                                                  after the gather: may change how the kept tokens are
                                                  stored; returns nothing
 
-and answers the meter: `row_kib(cache, row, kib_per_token)`, the KiB row `row` stores now (every layer, head and
+and answers a `--trace` run's tracer: `kept_state(cache, rows)`, which kept tokens it stores
+otherwise (`merged`, `quantised`; the base class: none), and the meter: `row_kib(cache, row, kib_per_token)`, the KiB row `row` stores now (every layer, head and
 store, the bytes of the representation it keeps per token, scales included). The base class is `full`:
 full-precision K/V, nothing rewritten, `stored tokens x kib_per_token` bytes (today's meter, bit for
 bit). A state needs the per-layer K/V layout of a transformers model (`needs_kv = True`); on a
@@ -83,6 +84,13 @@ class State:
         """Change how the kept tokens of `rows` are stored, after the gather (`next_position`: each
         cache row's next query position; `kib_per_token`: the meter's KiB per full-precision token)."""
 
+    def kept_state(self, cache, rows: list[int]) -> dict[str, list[torch.Tensor]]:
+        """Which kept tokens this state stores otherwise, right after a compaction of `rows` (read by
+        a `--trace` run's tracer, `retention.runtime.trace`): trace field name (`merged`,
+        `quantised`) -> per cache group `[B, G, k]` bool over the first `k` entries of each row (the
+        kept tokens, in kept order). {}: every kept token as the model wrote it."""
+        return {}
+
     def row_kib(self, cache, row: int, kib_per_token: float) -> float | None:
         """KiB that row `row` stores now (every layer, head and store); None: its stored tokens times
         `kib_per_token` (every token in full precision: the meter multiplies, as it always has)."""
@@ -147,6 +155,11 @@ class Merge(State):
             g_ix = torch.arange(G, device=dev)[None, :, None].expand(B, G, k)
             vbuf[r_ix, g_ix, kp] = new_v.to(vbuf.dtype)
             layer.extra["merge.count"][r_ix, g_ix, kp] = w_kept + add_w - 1.0
+
+    def kept_state(self, cache, rows) -> dict[str, list[torch.Tensor]]:
+        """`merged`: kept tokens that represent more than themselves (absorbed an evicted token now
+        or at an earlier compaction)."""
+        return {"merged": _kept_flags(cache, rows, "merge.count")}
 
 
 @dataclass
@@ -266,6 +279,10 @@ class Quant(State):
         kib, length = got
         return kib + (cache.lengths[row] - length) * kib_per_token  # new tokens arrive in full precision
 
+    def kept_state(self, cache, rows) -> dict[str, list[torch.Tensor]]:
+        """`quantised`: kept tokens stored quantised (after the compaction's own quantisation event)."""
+        return {"quantised": _kept_flags(cache, rows, "quant.chunk")}
+
     def reset_slot(self, slot: int, seed: int) -> None:
         self._kib.pop(slot, None)
         self._mark.pop(slot, None)
@@ -288,6 +305,19 @@ class Quant(State):
         """The largest dequantisation error allowed for elements `x` of groups spanning
         [`group_lo`, `group_hi`]: half a quantisation step."""
         return (group_hi - group_lo) / (2 ** self.bits - 1) / 2
+
+
+def _kept_flags(cache, rows: list[int], name: str) -> list[torch.Tensor]:
+    """Per cache group `[B, G, k]` bool: per-token state `name` is non-zero on the kept tokens of
+    `rows` (all False where the state was never registered: nothing to flag yet)."""
+    k = cache.lengths[rows[0]]
+    out = []
+    for layer in cache.layers:
+        ridx = torch.tensor(rows, device=layer.pbuf.device)
+        flag = layer.extra.get(name)
+        out.append(torch.zeros(len(rows), layer.pbuf.shape[1], k, dtype=torch.bool, device=layer.pbuf.device)
+                   if flag is None else flag[:, :, :k].index_select(0, ridx) != 0)
+    return out
 
 
 def _full_token_bytes(cache) -> int:

@@ -5,9 +5,10 @@ holding run directories (several arms at once), groups them by configuration has
 each run, before anything is written:
 
 * every shard of the same configuration, cut into the same number of shards, each given once;
-* the same code version and split manifest in every shard;
+* the same code version, split manifest and `--trace` setting in every shard;
 * exactly the pairs the shard rule gives each shard: none missing, none duplicated, none foreign,
-  every record carrying the run's configuration hash.
+  every record carrying the run's configuration hash;
+* in a traced run (`--trace`), a trace line with its cache trace for every record.
 
 Each violation is one `RetentionError` line. The merged `records.jsonl` lists the records in run
 order (problem-major, then sample) so that it equals, record for record, the unsharded run's.
@@ -53,6 +54,11 @@ class Part:
     @property
     def code_version(self):
         return self.sidecar.get("code_version", self.meta.get("code_version"))
+
+    @property
+    def trace(self) -> bool:
+        """Whether the shard ran with --trace (absent in config.json: it did not)."""
+        return bool(self.meta.get("trace", False))
 
 
 @dataclass
@@ -168,8 +174,10 @@ def plan_merge(parts: list[Part]) -> list[MergedRun]:
         if missing:
             _explain_missing(h, group, groups, missing, n)
         ordered = [by_index[i] for i in range(n)]
-        for key, what in (("code_version", "code version"), ("split_manifest_sha256", "split manifest")):
-            values = {p.where: (p.code_version if key == "code_version" else p.sidecar.get(key)) for p in ordered}
+        for key, what in (("code_version", "code version"), ("split_manifest_sha256", "split manifest"),
+                          ("trace", "--trace setting")):
+            values = {p.where: (getattr(p, key) if key != "split_manifest_sha256" else p.sidecar.get(key))
+                      for p in ordered}
             if len(set(values.values())) > 1:
                 (wa, va), (wb, vb) = _two_different(values)
                 raise RetentionError(f"shards ran with different {what}s: {wa} has {va}, {wb} has {vb}")
@@ -227,6 +235,14 @@ def _collect(ordered: list[Part]) -> MergedRun:
     for part in ordered:
         for raw, tr in _jsonl_lines(part.trace_path):
             traces[(str(tr["problem_id"]), int(tr["sample"]))] = raw  # a retried write: the last one wins
+            if ordered[0].trace and "cache" not in tr:
+                raise RetentionError(f"{part.where}: the trace line of {(tr['problem_id'], tr['sample'])} has no "
+                                     "cache trace in a run with --trace")
+    if ordered[0].trace:
+        untraced = [k for k in expected if k not in traces]
+        if untraced:
+            raise RetentionError(f"{len(untraced)} record(s) of a run with --trace have no trace line, e.g. "
+                                 f"{untraced[0]} of {ordered[owner[untraced[0]]].where}")
     merged = dict(meta)
     merged["merged"] = {
         "rule": RULE, "shards": len(ordered), "code_version": ordered[0].code_version,
@@ -307,12 +323,13 @@ def _move_shard_files(run_dir: Path) -> None:
                 (run_dir / name).replace(dest / name)
 
 
-def open_shard_run(out: Path, config: dict, shard: Shard | None):
+def open_shard_run(out: Path, config: dict, shard: Shard | None, trace: bool = False):
     """The run directory a `retention run` process writes to.
 
     Unsharded: shards already in the directory are first consolidated (so their records count as
     done); incomplete shards are refused. Sharded: refused when the directory already holds a
-    merged or unsharded `records.jsonl`; the shard's sidecar is (re)written.
+    merged or unsharded `records.jsonl`; the shard's sidecar is (re)written. trace: `--trace` (the
+    directory's setting, `RunDir.trace`).
     """
     from retention.runs.runner import code_version, open_run, run_id_for
 
@@ -324,11 +341,11 @@ def open_shard_run(out: Path, config: dict, shard: Shard | None):
             except RetentionError as exc:
                 raise RetentionError(f"{run_dir} holds shards that cannot be merged yet ({exc}); "
                                      "finish them with --shard I/N") from None
-        return open_run(out, config)
+        return open_run(out, config, trace=trace)
     if (run_dir / layout.RECORDS).is_file():
         raise RetentionError(f"{run_dir} already holds an unsharded or merged run (records.jsonl); "
                              "write shards to another --out")
-    run = open_run(out, config, shard)
+    run = open_run(out, config, shard, trace=trace)
     write_sidecar(run.path, shard, code_version(), _manifest_sha256())
     (run.path / shard.records_name).touch()  # a shard that owns no pair still shows it ran
     return run
