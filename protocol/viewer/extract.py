@@ -6,8 +6,9 @@
   one payload per (problem, sample) with every arm's record, loaded by the browser only when opened.
 * Statistics are never recomputed here: the figures are the report's (`protocol.report`), or, for
   runs that form no comparison, `protocol.diagnostics.summarize_run`'s.
-* The full-cache reference of a budgeted run is the unbudgeted run (scorer `full` first) of its
-  model, split and dataset; records pair by (problem_id, sample).
+* The full-cache reference of a budgeted run, the divergence token and a changed answer are those of
+  the report's failure-mode counts (`protocol.failure_modes`): the `full` run of the same model,
+  split, dataset and decoding settings; records pair by (problem_id, sample).
 * Token boundaries: `pieces(model)` (optional, from the CLI: the run's tokenizer when it is at hand)
   gives the decoded text of each output token; without it the browser splits the text approximately.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from protocol.comparisons import budget_key
 from protocol.diagnostics import summarize_run
 from protocol.errors import ProtocolError
+from protocol.failure_modes import _reference, divergence_token
 from protocol.render import json_safe, test_lines
 from protocol.runs import Run
 from protocol.viewer.cachemap import cache_map
@@ -59,7 +61,7 @@ class SiteData:
     problems: list
     arms: tuple
     records: dict   # arm key -> {(problem_id, sample): record}
-    traces: dict    # arm key -> {(problem_id, sample): trace line}, for the runs with a trace
+    traces: dict    # arm key -> {(problem_id, sample): trace line}, for the runs with a trace.jsonl
     pieces: dict    # arm key -> Pieces | None
     statements: dict
 
@@ -74,23 +76,13 @@ class SiteData:
             if rec is None:
                 continue
             ref = recs.get(arm.ref) if arm.ref else None
-            traced = arm.key in self.traces
-            line = self.traces[arm.key].get((pid, sample)) if traced else None
-            out["arms"][arm.key] = record_view(rec, line, ref, self.pieces[arm.key], traced=traced)
+            line = self.traces[arm.key].get((pid, sample)) if arm.key in self.traces else None
+            out["arms"][arm.key] = record_view(rec, line, ref, self.pieces[arm.key])
         return json_safe(out)
 
     def payloads(self) -> Iterator[tuple[int, dict]]:
         for i in range(len(self.problems)):
             yield i, self.payload(i)
-
-
-def first_divergence(ids: list[int], ref_ids: list[int]) -> int | None:
-    """The first output token index where two generations differ (one ending earlier differs where it
-    ends); None when they are identical."""
-    for i, (a, b) in enumerate(zip(ids, ref_ids)):
-        if a != b:
-            return i
-    return None if len(ids) == len(ref_ids) else min(len(ids), len(ref_ids))
 
 
 def utf16_len(text: str) -> int:
@@ -119,7 +111,7 @@ def _kl(values) -> list | None:
     return [None if v is None else float(f"{float(v):.5g}") for v in values]
 
 
-def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces | None, *, traced: bool) -> dict:
+def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces | None) -> dict:
     """One arm's record of a (problem, sample) as the problem page shows it."""
     text = rec.get("text") or ""
     ids = [int(t) for t in rec.get("output_token_ids") or []]
@@ -129,10 +121,10 @@ def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces |
         out["tokens"] = token_lengths(pieces(ids), text)
     if ref is not None:
         ref_ids = [int(t) for t in ref.get("output_token_ids") or []]
-        out["div"] = {"token": first_divergence(ids, ref_ids), "char": common_prefix(text, ref.get("text") or ""),
+        out["div"] = {"token": divergence_token(ids, ref_ids), "char": common_prefix(text, ref.get("text") or ""),
                       "changed": answer_changed(rec, ref)}
     cache = (line or {}).get("cache")
-    out["trace"] = "none" if not traced or line is None else ("ok" if isinstance(cache, dict) else "no-cache")
+    out["trace"] = "ok" if isinstance(cache, dict) else "none"
     if out["trace"] == "ok":
         try:
             out["map"] = cache_map(cache)
@@ -144,19 +136,9 @@ def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces |
 
 
 def answer_changed(rec: dict, ref: dict) -> bool:
-    """The extracted answer string differs from the full cache's (both missing: unchanged)."""
-    def norm(x):
-        return None if x is None else str(x).strip()
-
-    return norm(rec.get("extracted")) != norm(ref.get("extracted"))
-
-
-def reference_of(run: Run, runs: list[Run]) -> Run | None:
-    """The full-cache run a budgeted run is compared with in the viewer (None for an unbudgeted run)."""
-    if run.budget is None:
-        return None
-    same = [r for r in runs if r.budget is None and (r.model, r.split, r.dataset) == (run.model, run.split, run.dataset)]
-    return next((r for r in same if r.scorer == "full"), same[0] if same else None)
+    """The extracted answer differs from the full cache's: a departure, as `protocol.failure_modes`
+    counts it (both missing: unchanged)."""
+    return rec.get("extracted") != ref.get("extracted")
 
 
 def _statements(runs: list[Run]) -> dict:
@@ -211,11 +193,11 @@ def site_data(runs: list[Run], report=None, *, pieces: Callable[[str], Pieces | 
     arms, arm_rows = [], []
     decoders = {m: pieces(m) if pieces is not None else None for m in models}
     for run in ordered:
-        ref = reference_of(run, ordered)
+        ref = _reference(run, ordered) if run.budget is not None else None
         arm = Arm(keys[id(run)], run, keys[id(ref)] if ref is not None else None)
         arms.append(arm)
         summary = summaries.get(run.run_id) or summarize_run(run)
-        arm_rows.append({"key": arm.key, "ref": arm.ref, "traced": run.trace is not None,
+        arm_rows.append({"key": arm.key, "ref": arm.ref, "traced": bool(run.meta.get("trace")),
                          "tokenizer": decoders[run.model] is not None, **{k: summary.get(k) for k in ARM_FIELDS}})
     records = {a.key: {(str(r["problem_id"]), int(r["sample"])): r for r in a.run.records} for a in arms}
     problems = sorted({k for recs in records.values() for k in recs})
@@ -229,7 +211,7 @@ def site_data(runs: list[Run], report=None, *, pieces: Callable[[str], Pieces | 
                 cells.append(None)
                 continue
             verdict = None if rec.get("verdict") is None else int(bool(rec["verdict"]))
-            div = first_divergence(rec.get("output_token_ids") or [], ref.get("output_token_ids") or []) if ref else None
+            div = divergence_token(rec.get("output_token_ids") or [], ref.get("output_token_ids") or []) if ref else None
             cells.append([verdict, None if ref is None else int(answer_changed(rec, ref)),
                           None if ref is None else (-1 if div is None else div)])
         rows.append([i, key[0], key[1], cells])

@@ -18,6 +18,7 @@ complete site or the previous one, never a mix.
 from __future__ import annotations
 
 import html
+import os
 import shutil
 import tempfile
 import uuid
@@ -53,6 +54,12 @@ def check_target(out: Path) -> None:
         load_json_object(out / MARKER, "viewer marker")  # a damaged marker is refused, not trusted
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write(path: Path, text: str) -> int:
     data = text.encode("utf-8")
     path.write_bytes(data)
@@ -67,6 +74,7 @@ def write_site(data: SiteData, out, *, figures: dict | None = None) -> dict:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.writing-", dir=out.parent))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the site from other users
     except OSError as exc:
         raise ProtocolError(f"cannot write viewer folder {out}: {exc.strerror or exc}") from None
     try:

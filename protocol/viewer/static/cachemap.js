@@ -3,8 +3,9 @@
 //
 // At decode step d (feeding output token d, at position P + d), after the last compaction c with
 // c.s <= d, each (group, head) pair holds its kept set plus positions P + c.s .. P + d (generated
-// since); before the first compaction it holds every position up to P + d. `stored[d]` is the mean
-// over pairs of what it holds: averaged over the decode steps it is the record's cache_mean_tokens.
+// since); before the first compaction it holds every position up to P + d. `stored[d]` is the most
+// any pair holds (the meter's count per (layer, head); equal for every pair unless a routing gives
+// heads different budgets): averaged over the decode steps it is the record's cache_mean_tokens.
 "use strict";
 
 const RVMap = (() => {
@@ -26,7 +27,7 @@ const RVMap = (() => {
       const held = shares(c.held, n, pairs);
       let prompt = 0;
       for (let p = 0; p < Math.min(P, n); p++) prompt += held[p];
-      return {s: c.s, kept: c.k.reduce((a, b) => a + b, 0) / pairs, held, prompt: P ? prompt / P : 0,
+      return {s: c.s, kept: Math.max(...c.k), held, prompt: P ? prompt / P : 0,
               merged: c.m ? shares(c.m, n, pairs) : null, quant: c.q ? shares(c.q, n, pairs) : null, raw: c};
     });
     const stored = new Float64Array(steps), prompt = new Float64Array(steps), which = new Int32Array(steps);
@@ -40,7 +41,7 @@ const RVMap = (() => {
     const evicted = comps.find((c) => c.prompt < 1 - 1e-12);
     return {comps, stored, prompt, which,
             mean: steps ? stored.reduce((a, b) => a + b, 0) / steps : null,
-            promptHeldFinal: comps.length ? comps[comps.length - 1].prompt : 1,
+            promptHeldFinal: comps.length && P ? comps[comps.length - 1].prompt : null,
             promptEvictedStep: evicted ? evicted.s : null};
   }
 
@@ -78,19 +79,25 @@ const RVMap = (() => {
       }
     }
     ctx.putImageData(img, 0, 0);
-    // The share of the prompt still held at each step, on the same vertical axis.
-    line.width = 90;
-    line.height = rows;
+    // The share of the prompt still held at each step, on the same vertical axis (drawn at its CSS
+    // size, 90 x 320, so that the line stays sharp however few steps there are).
+    const W = 90, H = 320;
+    line.width = W;
+    line.height = H;
     const lc = line.getContext("2d");
     lc.fillStyle = "#f8fafc";
-    lc.fillRect(0, 0, line.width, rows);
+    lc.fillRect(0, 0, W, H);
     lc.strokeStyle = "#cbd5e1";
-    lc.strokeRect(0.5, 0.5, line.width - 1, rows - 1);
+    lc.strokeRect(0.5, 0.5, W - 1, H - 1);
+    lc.fillStyle = "#64748b";
+    lc.font = "10px sans-serif";
+    lc.fillText("0", 3, H - 4);
+    lc.fillText("100%", W - 28, H - 4);
     lc.strokeStyle = "rgb(37,99,235)";
     lc.lineWidth = 2;
     lc.beginPath();
-    for (let y = 0; y < rows; y++) {
-      const d = Math.floor(y * m.steps / rows), px = 2 + r.prompt[d] * (line.width - 4);
+    for (let y = 0; y < H; y++) {
+      const d = Math.min(m.steps - 1, Math.floor(y * m.steps / H)), px = 3 + (m.steps ? r.prompt[d] : 1) * (W - 6);
       if (y === 0) lc.moveTo(px, y); else lc.lineTo(px, y);
     }
     lc.stroke();
@@ -105,7 +112,7 @@ const RVMap = (() => {
     ds.compactions = m.c.length;
     ds.storedMean = r.mean == null ? "" : String(r.mean);
     ds.storedFinal = m.steps ? String(r.stored[m.steps - 1]) : "";
-    ds.promptHeldFinal = String(r.promptHeldFinal);
+    ds.promptHeldFinal = r.promptHeldFinal == null ? "" : String(r.promptHeldFinal);
     ds.promptEvictedStep = r.promptEvictedStep == null ? "" : String(r.promptEvictedStep);
     canvas.rvStored = Array.from(r.stored);
     canvas.rvPrompt = Array.from(r.prompt);

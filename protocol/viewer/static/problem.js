@@ -59,7 +59,7 @@ const RVProblem = (() => {
     wrap.className = "klwrap";
     if (!rec.kl) {
       wrap.innerHTML = `<p class="absent kl-absent">${rec.trace === "ok" ? "no per-step KL: the run had no --fidelity"
-        : "no per-step KL: no cache trace for this record (run with --trace --fidelity)"}</p>`;
+        : "no per-step KL: no trace (run with --trace --fidelity)"}</p>`;
       return wrap;
     }
     const canvas = document.createElement("canvas");
@@ -111,9 +111,8 @@ const RVProblem = (() => {
     const wrap = document.createElement("div");
     wrap.className = "mapwrap";
     if (rec.trace !== "ok") {
-      wrap.innerHTML = `<p class="absent map-absent">no trace: ${rec.trace === "no-cache"
-        ? "this run's trace.jsonl has no cache record (a run from before --trace)"
-        : "the run has no trace.jsonl (run with --trace to see what the cache held)"}</p>`;
+      wrap.innerHTML = `<p class="absent map-absent">no trace: this record's run was written without --trace `
+        + "(run with --trace to see what the cache held)</p>";
       return wrap;
     }
     const m = rec.map, r = RVMap.reconstruct(m);
@@ -131,9 +130,9 @@ const RVProblem = (() => {
       + `<span class="sw prompt"></span> prompt held <span class="sw gen"></span> generated held `
       + `<span class="sw ev"></span> evicted <span class="sw merged"></span> merged <span class="sw quant"></span> quantised; `
       + `paler = held by fewer of the ${m.pairs} (group, head) pairs. Right: share of the prompt held `
-      + `(final ${(100 * r.promptHeldFinal).toFixed(1)}%${r.promptEvictedStep == null ? ", never evicted"
+      + `(final ${r.promptHeldFinal == null ? "100% (never compacted)" : (100 * r.promptHeldFinal).toFixed(1) + "%"}${r.promptEvictedStep == null ? ", never evicted"
         : `, first evicted at step ${r.promptEvictedStep}`}). ${m.c.length} compaction(s); mean stored `
-      + `${r.mean == null ? "–" : r.mean.toFixed(2)} tokens per (layer, head).`;
+      + `${r.mean == null ? "–" : r.mean.toFixed(2)} tokens per (layer, head) over the decode steps.`;
     const list = document.createElement("details");
     list.innerHTML = `<summary>compactions</summary><table class="comps"><tr><th>step</th><th>before</th>`
       + `<th>kept (mean)</th><th>kept min–max</th><th>prompt held</th><th>allocation</th></tr>`
