@@ -103,7 +103,7 @@ def _wait(driver, script: str, timeout: float = 10.0):
     return WebDriverWait(driver, timeout).until(lambda d: d.execute_script(script))
 
 
-def test_index_filters_and_keyboard(site, browser):
+def test_index_filters_and_keyboard(browser, site):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
@@ -173,7 +173,7 @@ def _key_of(browser, scorer: str) -> str:
     return browser.execute_script(f"return RV.state.index.arms.find(a => a.scorer === '{scorer}').key")
 
 
-def test_problem_page_matches_records(site, browser):
+def test_problem_page_matches_records(browser, site):
     from selenium.webdriver.common.by import By
 
     tmp, runs, viewer = site
@@ -227,7 +227,7 @@ def test_problem_page_matches_records(site, browser):
             assert sec.find_elements(By.CSS_SELECTOR, ".map-absent") == []
 
 
-def test_untraced_runs_render_with_a_note(site, browser, tmp_path):
+def test_untraced_runs_render_with_a_note(browser, site, tmp_path):
     """Runs written without --trace (their trace lines hold no `cache`), viewed with --tokenizer none: the
     texts, answers and divergence marker (where the texts first differ) render; map and strip say why not."""
     from selenium.webdriver.common.by import By

@@ -78,7 +78,7 @@ class SiteData:
             ref = recs.get(arm.ref) if arm.ref else None
             line = self.traces[arm.key].get((pid, sample)) if arm.key in self.traces else None
             out["arms"][arm.key] = record_view(rec, line, ref, self.pieces[arm.key])
-        return json_safe(out)
+        return out  # strict JSON already (records and traces are read strictly; `site` writes strictly)
 
     def payloads(self) -> Iterator[tuple[int, dict]]:
         for i in range(len(self.problems)):
@@ -105,12 +105,6 @@ def token_lengths(pieces: list[str], text: str) -> dict | None:
     return {"o": utf16_len(text[:len(text) - len(joined)]), "lens": [utf16_len(p) for p in pieces]}
 
 
-def _kl(values) -> list | None:
-    if not isinstance(values, list):
-        return None
-    return [None if v is None else float(f"{float(v):.5g}") for v in values]
-
-
 def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces | None) -> dict:
     """One arm's record of a (problem, sample) as the problem page shows it."""
     text = rec.get("text") or ""
@@ -131,7 +125,7 @@ def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces |
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"record {rec.get('problem_id')!r} sample {rec.get('sample')}: malformed cache "
                                 f"trace ({type(exc).__name__}: {exc})") from None
-        out["kl"], out["top1"] = _kl(cache.get("kl")), cache.get("top1")
+        out["kl"], out["top1"] = cache.get("kl"), cache.get("top1")  # rounded by the trace already
     return out
 
 

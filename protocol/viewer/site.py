@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 
 from protocol.errors import ProtocolError
-from protocol.io import dumps, load_json_object
+from protocol.io import canonical_json, dumps, load_json_object
 from protocol.viewer.extract import SiteData
 
 MARKER = "viewer.json"
@@ -35,8 +35,8 @@ FORMAT = 1
 
 
 def _js_call(fn: str, *args) -> str:
-    """`fn(arg, ...);` with each argument as strict JSON (U+2028/9 escaped for older JS parsers)."""
-    body = ", ".join(dumps(a) for a in args).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    """`fn(arg, ...);` with each argument as strict, compact JSON (U+2028/9 escaped for older JS parsers)."""
+    body = ", ".join(canonical_json(a) for a in args).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
     return f"{fn}({body});\n"
 
 

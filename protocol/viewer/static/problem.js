@@ -150,8 +150,9 @@ const RVProblem = (() => {
       + `<dt>gold</dt><dd><code>${esc(gold)}</code></dd><dt>rule</dt><dd>${esc(rec.rule || "–")}${rec.reason ? ` (${esc(rec.reason)})` : ""}</dd>`
       + `<dt>output</dt><dd>${rec.n_tokens} tokens, ${esc(rec.finish_reason)}</dd>`
       + `<dt>cache</dt><dd>mean ${num(rec.cache_mean_tokens)} tokens, ${rec.compactions ?? "–"} compactions</dd>`
-      + (fid ? `<dt>fidelity</dt><dd>KL mean ${num(fid.kl_mean, 4)}, top-1 ${pct(fid.top1_agreement)}%, first top-1 `
-        + `difference at step ${fid.first_divergence_step ?? "never"}</dd>` : "")
+      + (fid ? `<dt>fidelity</dt><dd>KL mean ${num(fid.kl_mean, 4)}, top-1 agreement ${pct(fid.top1_agreement)}%, `
+        + (fid.first_divergence_step == null ? "the top-1 token never differs"
+          : `first top-1 difference at step ${fid.first_divergence_step}`) + "</dd>" : "")
       + (rec.div ? `<dt>vs full</dt><dd>answer ${rec.div.changed ? "<b>changed</b>" : "same"}; `
         + (rec.div.token == null ? "identical tokens" : `tokens differ from #${rec.div.token}`) + "</dd>" : "")
       + "</dl>";
@@ -199,6 +200,11 @@ const RVProblem = (() => {
     app.innerHTML = `${nav}<h2 id="problem" data-i="${i}">${esc(data.pid)} <small>sample ${data.sample}</small></h2>`
       + (data.statement ? `<details open><summary>problem</summary><pre class="statement">${esc(data.statement)}</pre></details>` : "");
     RV.state.index.arms.filter((a) => data.arms[a.key]).forEach((a) => app.append(armSection(a.key, data)));
+    // Scroll each text box to its divergence marker (the shared prefix stays above it).
+    app.querySelectorAll("pre.text").forEach((pre) => {
+      const mark = pre.querySelector("mark.divmark");
+      if (mark) pre.scrollTop = Math.max(0, mark.offsetTop - pre.offsetTop - 60);
+    });
     const target = armKey && document.getElementById(`arm-${armKey}`);
     if (target) target.scrollIntoView(); else window.scrollTo(0, 0);
   }
