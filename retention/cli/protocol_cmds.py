@@ -358,7 +358,7 @@ def _record_canonical(keys: dict[str, str], entries: list[dict], h: str, out: Pa
 @click.option("--confirm-dir", multiple=True, type=click.Path(path_type=Path),
               help="Confirm directory whose ledger and deviation log to include.")
 @click.option("--html", is_flag=True, help="Also write the viewer site (`retention view`) into OUT/viewer/.")
-@tokenizer_option
+@tokenizer_option(" of the --html viewer")
 def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_dir, html, tokenizer):
     """Paired statistics, LaTeX/CSV tables, figures and diagnostics for RUN_DIRS.
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import click
 
-tokenizer_option = click.option(
-    "--tokenizer", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
-    help="Token boundaries from each run's tokenizer when it loads from this machine without a download "
-         "or conversion (auto), or never (none: the text is split approximately).")
+def tokenizer_option(where: str = ""):
+    return click.option(
+        "--tokenizer", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+        help=f"Token boundaries{where} from each run's tokenizer when it loads from this machine without a "
+             "download or conversion (auto), or never (none: the text is split approximately).")
 
 
 def pieces_option_value(choice: str):
@@ -45,7 +46,7 @@ def echo_site(summary: dict, seconds: float) -> None:
               help="Resampling seed [default: 0].")
 @click.option("--confirm-dir", multiple=True, type=click.Path(path_type=Path),
               help="Confirm directory whose ledger to include (as `report`).")
-@tokenizer_option
+@tokenizer_option()
 def view_cmd(run_dirs, out, baseline, boot, seed, confirm_dir, tokenizer):
     """A static site over RUN_DIRS, opened from file:// (no server, nothing fetched from a network).
 
