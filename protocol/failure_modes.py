@@ -82,8 +82,8 @@ def failure_row(run: Run, reference: Run | None) -> dict:
     departed = [(r, f) for r, f in pairs if r.get("extracted") != f.get("extracted")]
     row.update(paired=len(pairs), departed=len(departed))
     if traced and len(traced) == n:
-        after = sum(1 for r, f in departed if departed_after_eviction(
-            r["prompt_evicted_step"], divergence_token(r.get("output_token_ids") or [], f.get("output_token_ids") or [])))
+        after = sum(1 for r, f in departed if departed_after_eviction(r["prompt_evicted_step"], divergence_token(
+            r.get("output_token_ids") or [], f.get("output_token_ids") or [])))
         row.update(departed_after_eviction=after, departed_before_eviction=len(departed) - after)
     return row
 

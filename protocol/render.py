@@ -311,7 +311,7 @@ def write_report(rep, out_dir) -> list[Path]:
     if design_space_lines(rep.design_space):
         put("design_space.csv", pd.DataFrame(rep.design_space).to_csv(index=False))
     if any(r["compacted"] is not None or r["traced"] for r in rep.failure_modes):  # records of this harness
-        put("failure_modes.csv", pd.DataFrame(rep.failure_modes).to_csv(index=False))
+        put("failure_modes.csv", pd.DataFrame(rep.failure_modes).convert_dtypes().to_csv(index=False))
     put("report.tex", to_latex(rep))
     put("report.json", dumps(json_safe(rep.to_dict()), indent=1) + "\n")
     figures, figure_notes = report_figures.render_all(rep)

@@ -5,7 +5,8 @@
 #   2. run alpha (lambda 0.5) and triattention at a measured mean cache of BUDGET tokens on the first
 #      PROBLEMS dev problems, greedy, batched (16 sequences per step, continuously refilled), with the
 #      fidelity proxy (per-step KL and top-1 agreement vs the full cache along the same tokens), and
-#      the full cache as the reference row,
+#      the full cache as the reference row, each record with its cache trace (--trace: what the cache
+#      held at every compaction; docs/records.md),
 #   3. report: paired statistics, CSV, LaTeX, PNG, a table on the terminal, and the exploratory
 #      paired test on the fidelity proxy (mean KL, first divergence step; alpha vs triattention),
 #   4. the viewer (`retention view`): a static site of the runs, problem by problem, in $OUT/viewer.
@@ -28,7 +29,7 @@ if [ ! -f "$stats" ]; then
   "$RETENTION" calibrate --model "$MODEL" --dtype "$DTYPE" --out "$stats"
 fi
 common=(--model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature 0 \
-  --batch-size "$BATCH" --out "$OUT/runs")
+  --batch-size "$BATCH" --out "$OUT/runs" --trace)
 # The two retention arms, paired (same problems, same seeds), each also decoded with the full cache
 # along its own tokens for the fidelity proxy.
 "$RETENTION" run "${common[@]}" --scorer alpha --baseline triattention --param alpha.lam=0.5 --budget "$BUDGET" \

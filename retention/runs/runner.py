@@ -158,6 +158,14 @@ class RunDir:
         # One writer per records file: shards of a run share the directory, not their files.
         lock = ".lock" if self.records_name == "records.jsonl" else f".{self.records_name}.lock"
         self._lock = _hold_lock(self.path, lock)
+        try:
+            self._open()
+        except BaseException:  # a refused directory is left unlocked (an in-process caller may retry)
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        """Check or write config.json, load the records, repair the trace file (under the lock)."""
         cfg_file = self.path / "config.json"
         h = config_hash(self.config)
         if cfg_file.exists():
@@ -400,7 +408,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
                 p, s = req.key
                 record = _record(_arm, p, s, req.seed, req.prompt_ids, g, tok, grader, batch_size)
                 steps, tokens = g.meter.trace()
-                _arm.run.append_trace(p.unique_id, s, steps, tokens, None if g.trace is None else g.trace.to_json())
+                cache = None if g.trace is None else g.trace.to_json()
+                _arm.run.append_trace(p.unique_id, s, steps, tokens, cache)
                 _arm.run.records.append(record)
                 bar.update(1)
 

@@ -22,7 +22,7 @@ is stored once (`groups` = 1: shared routing); a sequence with one compaction th
 group stores every compaction per group (`groups` = `Lc`).
 
 The size: one bitset of `ceil(n_positions / 8)` bytes (base64: 4/3 of that) per compaction, group and
-head, times the state fields present, plus about 8 characters per step for the KL (rounded to
+head, times the state fields present, plus about 5 characters per step for the KL (rounded to
 `KL_DIGITS` significant digits: a figure for the eye; the record's `fidelity` keeps exact means).
 """
 
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from retention.errors import RetentionError
 
 TRACE_VERSION = 1
 KL_DIGITS = 3
@@ -110,8 +112,6 @@ class CacheTrace:
 
     @classmethod
     def from_json(cls, obj: dict) -> CacheTrace:
-        from retention.errors import RetentionError
-
         if obj.get("version") != TRACE_VERSION:
             raise RetentionError(f"cache trace version {obj.get('version')!r}; this code reads version {TRACE_VERSION}")
         return cls(int(obj["prompt_tokens"]), int(obj["n_positions"]), int(obj["kv_heads"]), int(obj["groups"]),
@@ -219,7 +219,8 @@ class CacheTracer(NullTracer):
             p = pos[:, b]  # [Lc, H, k]
             s = {k: v[:, b] for k, v in states.items()}
             a = None if alloc is None else alloc[:, b]
-            if (p == p[:1]).all() and all((v == v[:1]).all() for v in s.values()) and (a is None or (a == a[:1]).all()):
+            same = [p, *s.values(), *([] if a is None else [a])]
+            if all((x == x[:1]).all() for x in same):  # every group alike: stored once
                 p, s, a = p[:1], {k: v[:1] for k, v in s.items()}, None if a is None else a[:1]
             n_now = int(nxt[b])  # positions 0..n_now-1 exist now
             bits = np.zeros((*p.shape[:2], n_now), dtype=bool)
@@ -243,8 +244,10 @@ class CacheTracer(NullTracer):
             x = np.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])))
             return tuple(tuple(base64.b64encode(h.tobytes()).decode("ascii") for h in g) for g in x)
 
-        def ints(x: np.ndarray | None):
-            return None if x is None else tuple(tuple(int(v) for v in g) for g in np.broadcast_to(x, (groups, x.shape[1])))
+        def ints(x: np.ndarray | None) -> tuple[tuple[int, ...], ...] | None:
+            if x is None:
+                return None
+            return tuple(tuple(int(v) for v in g) for g in np.broadcast_to(x, (groups, x.shape[1])))
 
         comps = tuple(Compaction(e.step, e.before, ints(e.kept), grid(e.positions),
                                  *(grid(e.states[f]) if f in e.states else None for f in STATE_FIELDS),
