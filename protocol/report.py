@@ -42,6 +42,7 @@ class Report:
     fidelity: list = field(default_factory=list)  # exploratory paired test on the fidelity proxy
     design_space: list = field(default_factory=list)  # the comparisons grouped by family (protocol.design_space)
     failure_modes: list = field(default_factory=list)  # per run: compacted at all, prompt evicted (protocol.failure_modes)
+    runs: list = field(default_factory=list, repr=False)  # the loaded runs (the viewer reads them; not written)
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "comparisons": self.comparisons, "arms": self.arms,
@@ -63,6 +64,15 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = No
     a given value that differs from its registered one is refused. registry: the registry of
     plans and confirmations (default: the user's, `protocol.ledger.Registry()`)."""
     runs = [load_run(d, grade=grade, with_trace=True) for d in find_run_dirs(run_dirs)]
+    return report_from_runs(runs, baseline=baseline, boot=boot, boot_max=boot_max, seed=seed, alpha=alpha, m=m,
+                            confirm_dirs=confirm_dirs, subset_boot=subset_boot, registry=registry)
+
+
+def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int | None = None,
+                     boot_max: int | None = None, seed: int | None = None, alpha: float | None = None,
+                     m: int | None = None, confirm_dirs=None, subset_boot: int = SUBSET_BOOT,
+                     registry=None) -> Report:
+    """`build_report` over runs already loaded (`load_run(..., with_trace=True)`)."""
     if len(runs) < 2:
         raise ProtocolError("a report needs at least two runs (a treatment and a baseline)")
     refuse_duplicates(runs)
@@ -104,4 +114,4 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = No
                   subsets=subsets, proxy=proxy, proxy_corr=corr, traces=traces,
                   provenance=prov, notes=notes, settings=settings,
                   fidelity=fidelity_comparisons(pairs, boot=settings["subset_boot"], seed=first["seed"]),
-                  design_space=design_space_rows(rows, runs, arms), failure_modes=failures)
+                  design_space=design_space_rows(rows, runs, arms), failure_modes=failures, runs=runs)

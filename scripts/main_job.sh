@@ -8,7 +8,8 @@
 #      the full cache as the reference row, each record with its cache trace (--trace: what the cache
 #      held at every compaction; docs/records.md),
 #   3. report: paired statistics, CSV, LaTeX, PNG, a table on the terminal, and the exploratory
-#      paired test on the fidelity proxy (mean KL, first divergence step; alpha vs triattention).
+#      paired test on the fidelity proxy (mean KL, first divergence step; alpha vs triattention),
+#   4. the viewer (`retention view`): a static site of the runs, problem by problem, in $OUT/viewer.
 # SmolLM2-135M cannot solve MATH problems (accuracy ~0 for every arm; the fidelity columns are what it
 # measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see the README (GPU section).
 set -euo pipefail
@@ -36,4 +37,7 @@ common=(--model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --max-new-tokens "
 # The reference row: no eviction (its fidelity is exact by construction, so it is not recomputed).
 "$RETENTION" run "${common[@]}" --scorer full
 "$RETENTION" report "$OUT/runs" --baseline triattention --out "$OUT/report"
+# The viewer: a static site over the runs (open it from the file system; docs/viewer.md).
+"$RETENTION" view "$OUT/runs" --baseline triattention --out "$OUT/viewer"
 echo "main job finished in $(( $(date +%s) - start )) s; report in $OUT/report"
+echo "viewer: $OUT/viewer/index.html"

@@ -37,6 +37,7 @@ _MODULES = (
     "agree_cmd",
     "check_cmd",
     "reproduce_cmd",
+    "view_cmd",
 )
 DEBUG_ENV = "RETENTION_DEBUG"
 

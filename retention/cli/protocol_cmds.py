@@ -12,11 +12,13 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import click
 
 from retention.cli.options import splits_dir_option
+from retention.cli.view_cmd import echo_site, pieces_option_value, tokenizer_option
 from retention.errors import RetentionError
 
 
@@ -355,7 +357,9 @@ def _record_canonical(keys: dict[str, str], entries: list[dict], h: str, out: Pa
               help="Bonferroni family size [default: the number of comparisons that are not confirmed cells].")
 @click.option("--confirm-dir", multiple=True, type=click.Path(path_type=Path),
               help="Confirm directory whose ledger and deviation log to include.")
-def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_dir):
+@click.option("--html", is_flag=True, help="Also write the viewer site (`retention view`) into OUT/viewer/.")
+@tokenizer_option(" of the --html viewer")
+def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_dir, html, tokenizer):
     """Paired statistics, LaTeX/CSV tables, figures and diagnostics for RUN_DIRS.
 
     A cell confirmed under a registered plan is reported with the plan's test (B, seed, alpha, m).
@@ -364,11 +368,21 @@ def report_cmd(run_dirs, baseline, out, boot, boot_max, seed, alpha, m, confirm_
     from protocol.io import check_writable_dir
 
     check_writable_dir(out, "--out")
+    if html:
+        from protocol.viewer.site import check_target
+
+        check_target(out / "viewer")  # before any work
     rep = report.build_report(run_dirs, baseline=baseline, boot=boot, boot_max=boot_max,
                               seed=seed, alpha=alpha, m=m, confirm_dirs=confirm_dir)
     written = report.write_report(rep, out)
     click.echo(report.terminal_summary(rep))
     click.echo(f"wrote {len(written)} file(s) to {out}: {', '.join(p.name for p in written)}")
+    if html:
+        from protocol.viewer import view_report
+
+        site_start = time.perf_counter()
+        summary = view_report(rep, out, out / "viewer", pieces=pieces_option_value(tokenizer))
+        echo_site(summary, time.perf_counter() - site_start)
 
 
 commands = [preregister_cmd, confirm_cmd, report_cmd]
