@@ -112,7 +112,10 @@ class RetentionPolicy:
                               protect_prompt=c.protect_prompt, slots=[cache.slots[r] for r in grp])
             keep, allocation = self.select(view, k)
             self.state.before_compaction(cache, grp, keep, view)
-            cache.compact_rows(grp, keep, allocation)
+            if allocation is None:
+                cache.compact_rows(grp, keep)
+            else:
+                cache.compact_rows(grp, keep, allocation)
             self.state.after_compaction(cache, grp, nxt, meters[grp[0]].kib_per_token)
             self.scorer.compacted(keep, view)
             for r in grp:
