@@ -9,6 +9,9 @@ the buffers after every forward). On top, per family:
 * trivial member exact: the mechanism with its `trivial()` parameters decodes exactly what the
   family's default decodes (tokens, finish reasons, meters): it changes nothing it claims not to;
 * the family's default decodes exactly what an arm without the family key decodes;
+* routing allocation (the allocating routings, `Routing.allocates`): some compaction gave heads
+  different counts, every row's summing to `L x G x k` (`retention.contract.checks`); their trivial
+  member is compared with `per-layer` when the scorer has a `routing` parameter (they set it);
 * budget held in bytes (states): no sequence's measured mean KiB is above what the same tokens
   cost in full precision at the budget (`B x kib_per_token`);
 * dequantisation error bound (the `quant` state and its subclasses): on seeded keys and values the stored

@@ -39,7 +39,8 @@ scorer's top-k order (a scorer with a selection of its own, such as alpha's faci
 H2O's heavy/recent split, is refused), a per-layer K/V cache (latent and shared-store layouts are
 refused), and the `full` state (the quantised and merged states count tokens per row, not per head).
 
-Plugins subclass `Routing` (entry-point group `retention.routings`, `module:Class`, `file.py:Class`).
+Plugins subclass `Routing` (entry-point group `retention.routings`, `module:Class`, `file.py:Class`);
+one that allocates subclasses `Allocating` for the refusals above and implements `allocate`.
 """
 
 from __future__ import annotations
