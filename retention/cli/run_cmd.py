@@ -76,7 +76,9 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
                    "after b + N, at most max_wait later), or a plugin (docs/design-space.md).")
 @click.option("--routing", default=None, metavar="NAME",
               help="Which kept set each layer follows: native (the scorer's own; default), shared or per-layer "
-                   "(triattention/alpha: one kept set per KV head for all layers, or per layer), or a plugin.")
+                   "(triattention/alpha: one kept set per KV head for all layers, or per layer), pyramidkv or "
+                   "adakv (per-layer or per-head budgets with the same mean; --param pyramidkv.beta=20, "
+                   "--param adakv.alpha=0.2), or a plugin.")
 @click.option("--state", default=None, metavar="NAME",
               help="What a kept token is stored as: full (default), quant (int8/int4 tail, KIVI-style), merge "
                    "(evicted values merged into the nearest kept token), or a plugin.")

@@ -5,13 +5,16 @@ single decodes agree to the last token) under budget 20, interval 4 (b = 17: eve
 shortest is compacted at prefill, and rows fall due together and apart), greedy, EOS ids chosen to
 end sequences at different steps, and returns one `CheckResult` per check:
 
-* kept count: every compaction keeps exactly the cadence's k distinct tokens per row (and head);
+* kept count: every compaction keeps exactly the cadence's k distinct tokens per row (and head); an
+  allocating routing's compaction keeps each head's count, the counts of every row summing to
+  `L x G x k` (and `routing allocation` says that heads did get different counts);
 * view unchanged: `score` and `select` write into none of the view's tensors (named when they do);
 * protected tokens kept; padding never kept; score shape and dtype;
 * batch invariance: batch 8 with refills vs batch 1, identical tokens, finish reasons, meters and
   kept sets (views of several rows and rows due at different steps both occur, as the detail says);
 * physical eviction: after a compaction the buffers hold exactly the kept positions, each row stores
-  what its meter counts, the bytes stored are those tokens';
+  what its meter counts (recounted per layer and KV head from the buffers, a ragged row's holes
+  excluded), the bytes stored are those tokens';
 * mean budget held: no sequence's measured mean cache is above the budget;
 * determinism: two runs with fresh scorers give the same tokens and kept sets;
 * resume: a run interrupted after two records and resumed (`retention.runs.runner`) writes the records an
@@ -87,11 +90,12 @@ class _Kit:
         self.cadence = self.arm.cadence
 
     def policy(self, scorer, checked: bool = True) -> RetentionPolicy:
-        """The arm's policy around `scorer` (a `Probe`): its own cadence, routing, state, decoding."""
+        """The arm's policy around `scorer` (a `Probe`): its own cadence, routing, state, decoding
+        (the routing's and the state's host reads at compactions reported with the scorer's)."""
         p = self.arm.policy()
         p.prepare(self.loaded.tokenizer)
-        return (CheckedPolicy if checked else RetentionPolicy)(scorer, p.cadence, p.routing, Phased(p.state, scorer),
-                                                               p.decoding)
+        return (CheckedPolicy if checked else RetentionPolicy)(scorer, p.cadence, Phased(p.routing, scorer),
+                                                               Phased(p.state, scorer), p.decoding)
 
     def decode(self, batch_size: int, eos=frozenset(), checks=True, scorer=None, new_tokens=NEW_TOKENS):
         """One engine run over PROMPTS: ({seed: Generation}, probe, policy, engine stats)."""
@@ -196,6 +200,8 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
                                    "rows of different lengths" if evicts else note))
         results.append(_violations("physical eviction", pol1.violations + pol8.violations,
                                    "buffers hold the kept positions; stored = meter = bytes after every forward"))
+        if kit.arm.policy().routing.allocates:
+            results.append(_allocation(p8, kit))
         over = [f"sequence {i}: mean {g.meter.mean:.2f} > {BUDGET}" for gens in (g1, g8)
                 for i, g in sorted(gens.items()) if g.meter.exceeded]
         worst = max((g.meter.mean for g in g8.values()), default=0.0)
@@ -254,6 +260,17 @@ def _padded_views(kit: _Kit) -> Probe:
                ignore_eos=True), set(), 1.0, batch_size=8)
     probe.view_rows = [n for n, padded in zip(probe.view_rows, probe.padded) if padded]
     return probe
+
+
+def _allocation(probe: Probe, kit: _Kit) -> CheckResult:
+    """An allocating routing really allocated (some compaction gave heads different counts), and
+    every allocation summed to the uniform total (the probe notes it under `kept count`)."""
+    lo, hi = probe.count_range
+    ok = probe.allocations > 0 and lo != hi and not probe.violations.get("kept count")
+    detail = (f"{probe.allocations} allocating compactions, counts per (layer, KV head) {lo}..{hi}, every row "
+              f"summing to L x G x k (mean k = {kit.cadence.nominal})" if probe.allocations else
+              "no compaction gave heads different counts")
+    return CheckResult("routing allocation", ok, detail)
 
 
 def _full_scorer():

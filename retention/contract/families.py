@@ -9,6 +9,9 @@ the buffers after every forward). On top, per family:
 * trivial member exact: the mechanism with its `trivial()` parameters decodes exactly what the
   family's default decodes (tokens, finish reasons, meters): it changes nothing it claims not to;
 * the family's default decodes exactly what an arm without the family key decodes;
+* routing allocation (the allocating routings, `Routing.allocates`): some compaction gave heads
+  different counts, every row's summing to `L x G x k` (`retention.contract.checks`); their trivial
+  member is compared with `per-layer` when the scorer has a `routing` parameter (they set it);
 * budget held in bytes (states): no sequence's measured mean KiB is above what the same tokens
   cost in full precision at the budget (`B x kib_per_token`);
 * dequantisation error bound (the `quant` state and its subclasses): on seeded keys and values the stored
@@ -24,6 +27,7 @@ import torch
 
 from retention.contract.checks import BUDGET, CheckResult, _guard, _Kit, run_checks
 from retention.errors import RetentionError
+from retention.runs.scorer_options import scorer_fields
 from retention.runtime.mechanisms import FAMILIES, mechanism_class
 from retention.runtime.state import Quant, _quantise_keys, _quantise_values
 
@@ -85,11 +89,16 @@ def _default_exact(family: str, scorer: str, tmp: Path) -> CheckResult:
 
 
 def _trivial_exact(family: str, name: str, trivial: dict, scorer: str, tmp: Path) -> CheckResult:
-    base = _decode(family, None, scorer, tmp, "base")
+    # An allocating routing sets a scorer's routing parameter to per-layer: its trivial member is
+    # native routing with one kept set per layer.
+    per_layer = (family == "routing" and mechanism_class(family, name).allocates
+                 and "routing" in scorer_fields(scorer))
+    base = _decode(family, "per-layer" if per_layer else None, scorer, tmp, "base")
     got = _decode(family, {"name": name, "params": trivial}, scorer, tmp, "trivial")
     diff = _differ(base, got)
+    default = "per-layer" if per_layer else FAMILIES[family].default
     return CheckResult("trivial member exact", diff is None,
-                       diff or f"{name} with {trivial} decodes exactly what {FAMILIES[family].default} does")
+                       diff or f"{name} with {trivial} decodes exactly what {default} does")
 
 
 def _bytes_held(family: str, entry: dict, scorer: str, tmp: Path) -> CheckResult:

@@ -29,7 +29,10 @@ class Probe:
         self.checks = checks
         self.slot_seed: dict[int, int] = {}
         self.kept: dict[int, list] = defaultdict(list)  # seed -> kept positions per compaction
-        self.last_kept: dict[int, torch.Tensor] = {}  # slot -> kept positions `[L, G, k]` of its last compaction
+        # slot -> kept positions `[L, G, k]` of its last compaction (-1 at an allocation's holes)
+        self.last_kept: dict[int, torch.Tensor] = {}
+        self.allocations = 0  # compactions with different counts per (layer, KV head)
+        self.count_range = (None, None)  # the smallest and largest count an allocation gave a head
         self.violations: dict[str, list[str]] = defaultdict(list)
         self.calls = 0  # after_forward calls (observe is called once per forward)
         self.view_rows: list[int] = []  # rows of each compaction view
@@ -122,6 +125,53 @@ class Probe:
             self._check_keep(keep, view, k)
         return keep
 
+    def allocated(self, keep: torch.Tensor, allocation, view, k: int) -> None:
+        """Check an allocating routing's compaction: `keep` `[L, B, G, m]`, each head's kept indices
+        ascending then -1; every row's counts sum to `L x G x k` (the uniform mean); protected
+        kept, padding never; and note the kept positions per seed, head by head."""
+        L, (B, G, n) = len(view.keys), view.keys[0].shape[:3]
+        self.view_rows.append(B)
+        self.padded.append(not bool(torch.stack(view.valid).all()))
+        self.due_calls.add(self.calls)
+        self.allocations += 1
+        if keep.dim() != 4 or tuple(keep.shape[:3]) != (L, B, G):
+            self._note("kept count", f"an allocation kept {tuple(keep.shape)}, expected [{L}, {B}, {G}, m]")
+            return
+        keep = keep.long()
+        real = keep >= 0
+        counts = real.sum(-1)  # [L, B, G]
+        lo, hi = int(counts.min()), int(counts.max())
+        self.count_range = (lo if self.count_range[0] is None else min(lo, self.count_range[0]),
+                            hi if self.count_range[1] is None else max(hi, self.count_range[1]))
+        first = torch.arange(keep.shape[-1], device=keep.device) < counts[..., None]
+        steps = keep.diff(dim=-1)
+        if not torch.equal(real, first) or bool((keep >= n).any()) or bool(((steps <= 0) & first[..., 1:]).any()):
+            self._note("kept count", "an allocation's kept indices are not ascending distinct indices then -1")
+            return
+        sums = counts.sum((0, 2)).tolist()
+        if any(t != L * G * k for t in sums):
+            self._note("kept count", f"an allocation kept {sums} tokens per row, not L x G x k = {L * G * k}")
+        if [int(w) for w in counts.amax((0, 2)).tolist()] != list(allocation.widths) or allocation.mean != k:
+            self._note("kept count", f"the allocation reports widths {allocation.widths} and mean {allocation.mean}, "
+                                     f"its indices say {counts.amax((0, 2)).tolist()} and {k}")
+        kept = torch.zeros(L, B, G, n + 1, dtype=torch.bool, device=keep.device).scatter_(
+            -1, torch.where(real, keep, n), True)[..., :n]
+        protected, valid = torch.stack(view.protected), torch.stack(view.valid)
+        if bool((protected & ~kept).any()):
+            self._note("protected tokens kept", f"{int((protected & ~kept).sum())} protected token(s) evicted "
+                                                f"at an allocation over {B} row(s)")
+        if bool((kept & ~valid).any()):
+            self._note("padding never kept", f"{int((kept & ~valid).sum())} padding entr(ies) kept at an "
+                                             f"allocation over {B} row(s)")
+        positions = torch.stack(view.positions).gather(-1, keep.clamp(min=0)).masked_fill(~real, -1)
+        slots = view.slots.tolist()
+        for b, slot in enumerate(slots):
+            width = allocation.widths[b]
+            held = positions[:, b, :, :width]  # [L, G, width]
+            self.kept[self.slot_seed.get(slot, -1)].append([[[p for p in head if p >= 0] for head in layer]
+                                                            for layer in held.tolist()])
+            self.last_kept[slot] = held
+
     def _check_unchanged(self, before: dict[str, torch.Tensor], view, hook: str) -> None:
         """Name each tensor of the view that `hook` wrote into (a view is read-only: `CacheView`)."""
         after = _view_tensors(view)
@@ -185,6 +235,12 @@ class CheckedPolicy(RetentionPolicy):
 
     violations: list[str] = field(default_factory=list)
 
+    def select(self, view, k: int):
+        keep, allocation = super().select(view, k)
+        if allocation is not None:
+            self.scorer.allocated(keep, allocation, view, k)
+        return keep, allocation
+
     def after_forward(self, cache, next_position, meter, prefill: bool, tokens=None) -> bool:
         probe = self.scorer
         before = dict(probe.last_kept)
@@ -194,15 +250,21 @@ class CheckedPolicy(RetentionPolicy):
         meters = [meter] if not isinstance(meter, list) else meter
         for r in range(cache.rows):
             m = meters[r] if r < len(meters) else meters[0]
-            stored = [int((ly.pbuf[r, 0, :ly.pbuf.shape[2]] >= 0)[: cache.lengths[r]].sum()) for ly in cache.layers]
-            if any(s != m.final for s in stored) or cache.lengths[r] != m.final:
-                self.violations.append(f"row stores {stored} tokens per layer, the meter counts {m.final}")
+            width = cache.widths[r]
+            # Stored tokens per (layer, KV head), recounted from the positions (-1: hole or free).
+            heads = torch.stack([(ly.pbuf[r, :, :width] >= 0).sum(-1) for ly in cache.layers])  # [L, G]
+            stored = heads.float().mean(-1).tolist()
+            mean = float(heads.double().mean())
+            if (mean != m.final or cache.lengths[r] != m.final
+                    or (not cache.holes[r] and bool((heads != m.final).any()))):
+                self.violations.append(f"row stores {stored} tokens per layer (mean over heads), the meter "
+                                       f"counts {m.final}")
             slot = cache.slots[r]
             now = probe.last_kept.get(slot)
             if did and now is not None and before.get(slot) is not now:  # this row compacted just now
                 k = now.shape[-1]
                 held = torch.stack([ly.pbuf[r, :, :k] for ly in cache.layers])  # [L, G, k]
-                if k != cache.lengths[r] or not torch.equal(held, now.to(held.device)):
+                if k != cache.widths[r] or not torch.equal(held, now.to(held.device)):
                     self.violations.append(f"after a compaction the buffers hold other positions than the {k} kept")
         per_token = sum(2 * ly.kbuf[0, :, 0].numel() * ly.kbuf.element_size() for ly in cache.layers)
         if cache.stored_bytes() != per_token * sum(cache.lengths) or cache.stored_bytes() > cache.allocated_bytes():

@@ -49,7 +49,8 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
     params = {k: v for k, v in options.items() if k in fields and v is not None}
     given = {fam: _mechanism_arg(fam, (mechanisms or {}).get(fam)) for fam in FAMILIES}
     routing_name, routing_params, _ = given["routing"]
-    structure = mechanism_class("routing", routing_name).structure
+    routing_cls = mechanism_class("routing", routing_name)
+    structure = routing_cls.structure
     if structure is not None:  # shared / per-layer: the scorer's own routing parameter, recorded there
         if "routing" not in fields:
             raise RetentionError(f"routing {routing_name!r} needs a scorer with a routing parameter (triattention, "
@@ -58,6 +59,11 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
             raise RetentionError(f"--routing {routing_name} and {scorer}.routing={params['routing']} disagree; give one")
         params["routing"] = structure
         given["routing"] = ("native", {}, None)
+    elif routing_cls.allocates and "routing" in fields:  # an allocation needs one kept set per layer
+        if params.get("routing", "per-layer") != "per-layer":
+            raise RetentionError(f"routing {routing_name!r} allocates per layer; {scorer}.routing={params['routing']} "
+                                 "shares one kept set over the layers (leave it unset)")
+        params["routing"] = "per-layer"
     scorer_obj = make_scorer(scorer, **params)  # validates parameters now, not in the middle of a run
     unset = set(getattr(cls, "unrecorded_when_unset", ()))  # newer parameters: recorded once set
     params = {k: getattr(scorer_obj, k) for k in sorted(fields)
@@ -76,6 +82,11 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
     cspec, _ = _resolve_mechanism("cadence", cname, cparams, cregistered)
     _check_families(scorer, cls.evicts, {**specs, "cadence": cspec})
     objs["state"].check(head_dims)
+    if cls.evicts:
+        objs["routing"].check(scorer_obj, head_dims)
+    if objs["routing"].allocates and not specs["state"].is_default:
+        raise RetentionError(f"routing {routing_name!r} stores heads of different lengths; state "
+                             f"{specs['state'].name!r} counts the same tokens in every head (use --state full)")
     budget = base["budget"]
     if base.get("budget_kib") is not None and specs["state"].name != "full" and cls.evicts:
         budget = _state_budget(objs["state"], base, scorer_obj, mechanism_class("cadence", cname), cspec.kwargs,

@@ -8,6 +8,8 @@ the reference configuration the sidecar gives, and compares:
 
 * scores within the README's tolerances (max absolute error; TriAttention's raw scores relative to
   their largest magnitude);
+* the allocating routings' budgets and kept slots exactly (PyramidKV, AdaKV from kvpress:
+  `retention.runs.conformance_routing`, cases in `routing/`);
 * kept sets exactly, in slot terms and ascending (the reference stores its compacted cache in score
   order; this project in position order, so only the set is comparable). Where the case gives
   boundary classes (`keep_class`, `tie_quota`), a kept set passes when it keeps every class-2 slot,
@@ -31,6 +33,8 @@ from pathlib import Path
 import torch
 
 from retention.errors import RetentionError
+from retention.runs.conformance_routing import CHECKERS as ROUTING_CHECKERS
+from retention.runs.conformance_routing import ROUTINGS
 
 SCORERS = ("triattention_score", "snapkv_decode", "rkv", "h2o")
 # README tolerances (absolute unless noted).
@@ -54,6 +58,7 @@ class CaseResult:
     checks: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     worst: float = 0.0  # the largest score error as a fraction of its tolerance
+    exact: bool = False  # every check is an exact comparison (the routing cases): no tolerance to report
 
     @property
     def ok(self) -> bool:
@@ -63,6 +68,8 @@ class CaseResult:
         head = f"{'PASS' if self.ok else 'FAIL'} {self.name} ({self.scorer}): {len(self.checks)} checks"
         if not self.ok:
             return head + "; " + ("; ".join(self.failures) if self.failures else "nothing was checked")
+        if self.exact:
+            return head + ", every budget and kept slot exact"
         return head + f", worst score error {self.worst:.2f} of its tolerance"
 
     # -- comparisons --------------------------------------------------------------------------
@@ -195,7 +202,7 @@ def check_case(path: Path) -> CaseResult:
     res = CaseResult(path.stem, scorer)
     checker = _CHECKERS.get(scorer)
     if checker is None:
-        res.fail(f"unknown scorer {scorer!r} (known: {', '.join(SCORERS)})")
+        res.fail(f"unknown scorer {scorer!r} (known: {', '.join(SCORERS + ROUTINGS)})")
         return res
     try:
         checker(side["params"], t, res)
@@ -207,7 +214,11 @@ def check_case(path: Path) -> CaseResult:
 
 
 def check_dir(directory: Path | None = None) -> list[CaseResult]:
-    return [check_case(p) for p in case_files(directory or shipped_dir())]
+    """Every case of `directory`; by default the shipped scorer cases and the routing cases (PyramidKV,
+    AdaKV, in their own folder `routing/`)."""
+    if directory is not None:
+        return [check_case(p) for p in case_files(directory)]
+    return [check_case(p) for p in case_files(shipped_dir()) + case_files(shipped_dir() / "routing")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,4 +443,4 @@ def _check_h2o(p: dict, t: dict, res: CaseResult) -> None:
 
 
 _CHECKERS = {"triattention_score": _check_triattention, "snapkv_decode": _check_snapkv, "rkv": _check_rkv,
-             "h2o": _check_h2o}
+             "h2o": _check_h2o, **ROUTING_CHECKERS}

@@ -2,7 +2,8 @@
 the reference layout models (`retention.models.arch`, DeepSeek checkpoints on the reference MLA) alike.
 
 * one step forward at explicit absolute positions (`forward`): transformers get a 4-D additive mask
-  that hides each row's padding; the layout modules mask padding by position (`PAD`);
+  that hides each row's padding (per query head on a ragged cache, rewritten by the cache for each
+  layer: `retention.runtime.cache`); the layout modules mask padding by position (`PAD`);
 * the cache it writes (`new_cache`): the per-layer K/V layout of `RetentionCache`, or the model's
   `CacheLayout` (`RetentionCache.for_layout`), which collects the attention the modules report when
   the scorer reads it;
@@ -66,7 +67,9 @@ class ModelAdapter:
         self.cache_kw = None if self.reference else cache_kwarg(model)
         self.dtype = next(model.parameters()).dtype
         self.layout = model.cache_layout() if self.reference else None
-        self.L = self.layout.layers if self.reference else model.config.get_text_config().num_hidden_layers
+        text = None if self.reference else model.config.get_text_config()
+        self.L = self.layout.layers if self.reference else text.num_hidden_layers
+        self.query_heads = 1 if self.reference else text.num_attention_heads
         self.provides = provides(self.layout, self.reference)
 
     def new_cache(self, capacity: int | None, scorer=None) -> RetentionCache:
@@ -80,8 +83,9 @@ class ModelAdapter:
         return cache
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: RetentionCache, padded: bool = False) -> torch.Tensor:
-        """Logits `[R, V]` of one forward of `[R, q]` tokens; `padded`: rows may differ in length."""
+        """Logits `[R, V]` of one forward of `[R, q]` tokens; `padded`: rows may differ in length (a
+        ragged cache, whose heads differ in length, always gets its per-head mask)."""
         if self.reference:
             return self.model(ids, pos, cache, logits_to_keep=1).logits[:, -1]
-        mask = cache.attention_mask(1, self.dtype) if padded else None
+        mask = cache.attention_mask(1, self.dtype, self.query_heads) if padded or cache.ragged else None
         return forward_step(self.model, ids, pos, cache, self.cache_kw, mask)

@@ -20,6 +20,20 @@ rectangular while different heads may keep different tokens). A new token is wri
 its row's length; a compaction gathers a row's kept tokens to the front of its own buffer; nothing
 is reallocated unless the capacity is exceeded (it then doubles: the `full` policy's growth).
 
+Ragged rows (an allocating routing: `retention.runtime.routing`, PyramidKV and AdaKV). A compaction
+may keep a different number of tokens in each (layer, KV head) of a row (`compact_rows` with an
+`Allocation`). The buffers stay `[S, G, cap]` per layer: head `(l, g)` holds its kept tokens at the
+front of the row, and the entries after them up to the row's largest count are holes, marked by
+position -1 in `pbuf` (so they travel with every compaction, row move, refill and growth, as the
+positions do). A row's `lengths[r]` is then the *mean* stored tokens per (layer, KV head) (what
+the cadence, the meter and the states count: an allocation has the uniform compaction's mean, so
+it is a whole number), and its buffer width `widths[r] = lengths[r] + holes[r]` is where new tokens
+are written (the same index in every head, as before). Once a cache holds a ragged row
+(`ragged`), `attention_mask()` gives a mask per query head `[S, Hq, 1, w]`, and `update` rewrites
+it in place with each layer's own holes just before that layer's attention reads it (transformers
+passes the one 4-D mask object to every layer unchanged; the model's code is still not patched).
+Layout models (latent and shared stores) are never ragged (refused by the routing).
+
 What the model attends to: `layer.keys` / `layer.values` (a layout model: `read(store)`) are views
 `[S, G, w, d]` of the buffers with `w` the largest stored length; entries of a row past its own
 length are padding, masked by the 4-D additive mask `attention_mask()` (a layout model: by the
@@ -44,6 +58,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 PAD = 2**62  # the position padding reads as on a layout model (`layer_positions`): after every query
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What a compaction with different counts per (layer, KV head) tells the cache (host values,
+    read once per compaction by the routing): `widths` the largest count of each row of the view
+    (its buffer width after the compaction), `mean` every row's mean count per (layer, KV head)."""
+
+    widths: tuple[int, ...]
+    mean: int
 
 
 class RetentionLayer(DynamicLayer):
@@ -190,6 +214,12 @@ class RetentionCache(Cache):
         super().__init__(layers=[RetentionLayer() for _ in range(num_layers)])
         self.capacity = capacity
         self.lengths: list[int] = []  # stored tokens of each row (host copy: no device sync to read it)
+        # Ragged rows (module doc): hole entries per (layer, head) of each row (0 unless an
+        # allocation compacted it), whether any row was ever ragged, the mask the next forward uses.
+        self.holes: list[int] = []
+        self.ragged = False
+        self._mask: torch.Tensor | None = None
+        self._mask_widths: torch.Tensor | None = None  # [S] each row's width in that forward
         self.slots: list[int] = []  # the engine slot each row holds (scorers key per-slot state by it)
         self.prompt_lengths: list[int] = []  # prompt tokens of each row's sequence (the prompt rule)
         self._step_positions: torch.Tensor | None = None
@@ -229,8 +259,13 @@ class RetentionCache(Cache):
     def rows(self) -> int:
         return len(self.lengths)
 
+    @property
+    def widths(self) -> list[int]:
+        """Each row's buffer width: where its next token is written (= `lengths` unless ragged)."""
+        return [n + h for n, h in zip(self.lengths, self.holes, strict=True)]
+
     def _init_rows(self, R: int) -> None:
-        self.lengths = [0] * R
+        self.lengths, self.holes = [0] * R, [0] * R
         self.slots = self.slots if len(self.slots) == R else list(range(R))
         self.prompt_lengths = self.prompt_lengths if len(self.prompt_lengths) == R else [0] * R
 
@@ -254,7 +289,7 @@ class RetentionCache(Cache):
                 nb[:, :, : b.shape[2]] = b
                 new[name] = nb
             layer.set_buffers(new)
-            layer.set_width(max(self.lengths, default=0))
+            layer.set_width(max(self.widths, default=0))
 
     @staticmethod
     def _write(buf: torch.Tensor, x: torch.Tensor, at: list[int]) -> None:
@@ -274,10 +309,12 @@ class RetentionCache(Cache):
             raise RuntimeError("RetentionCache.update called without set_step_positions()")
         q = key_states.shape[2]
         if layer_idx == 0:
-            self._ensure(key_states, value_states, max(self.lengths, default=0) + q)
+            self._ensure(key_states, value_states, max(self.widths, default=0) + q)
             if key_states.shape[0] != self.rows:
                 raise RuntimeError(f"forward of {key_states.shape[0]} rows on a cache of {self.rows}")
-            self._write_at = list(self.lengths)
+            self._write_at = self.widths
+            if self.ragged and (self._mask is None or self._mask.shape[-1] != max(self._write_at) + q):
+                raise RuntimeError("a ragged cache needs its attention_mask() for every forward")
         layer = self.layers[layer_idx]
         pos = self._step_positions.to(layer.pbuf.device)[:, None, :].expand(-1, key_states.shape[1], -1)
         at = self._write_at
@@ -297,9 +334,22 @@ class RetentionCache(Cache):
             for b in layer.extra.values():
                 b[r, :, idx] = 0
         layer.set_width(max(at) + q)
+        if self._mask is not None:
+            self._layer_mask(layer)
         if layer_idx == len(self.layers) - 1:
-            self.lengths = [a + q for a in at]
+            self.lengths = [n + q for n in self.lengths]
+            self._mask = None  # used up: the next forward asks for its own
         return layer.keys, layer.values
+
+    def _layer_mask(self, layer: RetentionLayer) -> None:
+        """Write `layer`'s own padding and holes into the mask `[S, Hq, 1, w]` of this forward (each
+        query head reads its KV head's entries: query head `h` belongs to KV head `h // (Hq / G)`)."""
+        S, Hq, _, w = self._mask.shape
+        G = layer.pbuf.shape[1]
+        stored = (torch.arange(w, device=layer.pbuf.device) < self._mask_widths[:, None])[:, None, :]  # [S, 1, w]
+        valid = stored & (layer.pbuf[:, :, :w] >= 0)  # [S, G, w]: holes hold position -1
+        hidden = torch.tensor(torch.finfo(self._mask.dtype).min, dtype=self._mask.dtype, device=valid.device)
+        self._mask.view(S, G, Hq // G, 1, w).copy_(torch.where(valid, 0.0, hidden)[:, :, None, None, :])
 
     # -- the layout models' API (`retention.models.arch.modules`) ---------------------------------------
     def begin_step(self, position_ids: torch.Tensor) -> None:
@@ -309,7 +359,7 @@ class RetentionCache(Cache):
         self._step_positions = position_ids
         R, q = position_ids.shape
         first = self.layers[0]
-        need = max(self.lengths, default=0) + q
+        need = max(self.widths, default=0) + q
         if first.pbuf is None:
             cap = max(self.capacity or 0, need)
             for layer in self.layers:
@@ -367,16 +417,26 @@ class RetentionCache(Cache):
         self.attention[i] = summed if self.attention[i] is None else self.attention[i] + summed
 
     def truncate(self, n: int) -> None:
-        """Forget every row's tokens after the first `n` (benchmarks rewind a step)."""
+        """Forget every row's tokens after the first `n` (benchmarks rewind a step; not ragged rows)."""
+        if any(self.holes):
+            raise RuntimeError("truncate() of a ragged cache")
         self.lengths = [min(x, n) for x in self.lengths]
         for layer in self.layers:
             layer.set_width(max(self.lengths, default=0))
 
-    def attention_mask(self, q: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def attention_mask(self, q: int, dtype: torch.dtype, query_heads: int = 1) -> torch.Tensor | None:
         """The additive 4-D mask `[S, 1, q, w]` of the next forward (after its `q` tokens are written)
         that hides each row's padding; None when every row will have the same length (no padding)
-        and on a layout model (its modules mask padding by position)."""
-        new = [n + q for n in self.lengths]
+        and on a layout model (its modules mask padding by position). A ragged cache: `[S, Hq, 1, w]`
+        (`query_heads` = Hq), filled per layer by `update` (module doc)."""
+        new = [n + q for n in self.widths]
+        if self.ragged:
+            if q != 1:
+                raise RuntimeError("ragged rows are decoded one token at a time")
+            dev = self.layers[0].pbuf.device
+            self._mask_widths = torch.tensor(new, device=dev)
+            self._mask = torch.zeros(len(new), query_heads, 1, max(new), dtype=dtype, device=dev)
+            return self._mask
         if self.is_layout or all(n == new[0] for n in new):
             return None
         if q != 1:
@@ -389,21 +449,30 @@ class RetentionCache(Cache):
 
     # -- reading ---------------------------------------------------------------------------------
     def valid_mask(self) -> torch.Tensor:
-        """`[S, w]` bool: entry `j` of row `r` holds a stored token (`j < lengths[r]`)."""
+        """`[S, w]` bool: entry `j` of row `r` is within its width (`j < widths[r]`; a ragged row's
+        holes are within it: `layer_valid`)."""
         dev = self.layers[0].pbuf.device
-        w = max(self.lengths, default=0)
-        return torch.arange(w, device=dev)[None, :] < torch.tensor(self.lengths, device=dev)[:, None]
+        widths = self.widths
+        w = max(widths, default=0)
+        return torch.arange(w, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
+
+    def layer_valid(self, layer: int) -> torch.Tensor:
+        """`[S, G, w]` bool: entry `j` of head `g` of row `r` of `layer` holds a stored token."""
+        ly = self.layers[layer]
+        valid = self.valid_mask()[:, None, :].expand(-1, ly.pbuf.shape[1], -1)
+        return valid & (ly.positions >= 0) if self.ragged else valid
 
     def written_slots(self) -> torch.Tensor:
         """`[S, q]` int64: the buffer index, in each row, of the `q` tokens the last forward wrote
         (read it after the forward and before any compaction)."""
         dev = self.layers[0].pbuf.device
         at = torch.tensor(self._write_at, dtype=torch.long, device=dev)
-        q = self.lengths[0] - self._write_at[0] if self.lengths else 0
+        q = self.widths[0] - self._write_at[0] if self.lengths else 0
         return at[:, None] + torch.arange(q, device=dev)[None, :]
 
     def stored_lengths(self) -> list[int]:
-        """Stored tokens per layer of a single-row cache (every layer and head holds the same)."""
+        """Stored tokens per layer of a single-row cache (every layer and head holds the same; a
+        ragged row: its mean)."""
         return [max(self.lengths, default=0)] * (self.layout.layers if self.is_layout else len(self.layers))
 
     def row_lengths(self) -> list[int]:
@@ -416,7 +485,8 @@ class RetentionCache(Cache):
 
     def stored_bytes(self) -> int:
         """Bytes of the stored tokens' tensors (every row's length, every store; positions,
-        per-token scorer state and free buffer space excluded)."""
+        per-token scorer state, holes and free buffer space excluded; a ragged row's `lengths` is its
+        mean per (layer, head), so this is exact where every layer's token costs the same)."""
         if self.layers[0].pbuf is None:
             return 0
         return sum(layer.token_bytes() for layer in self.layers) * sum(self.lengths)
@@ -430,10 +500,11 @@ class RetentionCache(Cache):
         next_position, prompt_length, slots: per row of the view (`[B]`) or one int for all."""
         rows = list(range(self.rows)) if rows is None else list(rows)
         dev = self.layers[0].pbuf.device
-        n = max(self.lengths[r] for r in rows)
+        widths = self.widths
+        n = max(widths[r] for r in rows)
         whole = rows == list(range(self.rows))
         ridx = torch.tensor(rows, device=dev)
-        lens = torch.tensor([self.lengths[r] for r in rows], device=dev)
+        lens = torch.tensor([widths[r] for r in rows], device=dev)
         B = len(rows)
 
         def per_row(x, default):
@@ -459,6 +530,8 @@ class RetentionCache(Cache):
         for layer in self.layers:
             p = take(layer.pbuf)
             ok = valid_1[:, None, :].expand_as(p)
+            if self.ragged:
+                ok = ok & (p >= 0)  # a ragged row's holes
             p = p.masked_fill(~ok, -1)
             prot = (p < sink) | (p >= t[:, None, None] - recent)
             if protect_prompt:
@@ -474,35 +547,45 @@ class RetentionCache(Cache):
                          groups=list(self.groups), layout=self.layout)
 
     # -- evicting and moving rows ----------------------------------------------------------------
-    def compact_rows(self, rows: list[int], keep: torch.Tensor) -> None:
+    def compact_rows(self, rows: list[int], keep: torch.Tensor, allocation: Allocation | None = None) -> None:
         """Keep only the stored tokens at `keep` of each of `rows` (indices into the row's buffer):
         `[B, G, k]` shared by all groups or `[L, B, G, k]` per group (layer), sorted ascending so
         that tokens stay in position order. Every store, the positions and the per-token state of a
         group are gathered together to the front of each row's own buffer. A store with more heads
         than the eviction unit (QK-norm MLA's per-group inverse RMS under a one-head latent) keeps
-        the unit's tokens in every head."""
+        the unit's tokens in every head. With an `allocation`, `keep` is `[L, B, G, m]` with each
+        head's kept indices first and -1 after them: those entries become holes (module doc)."""
         rows = list(rows)
         k = keep.shape[-1]
         dev = self.layers[0].pbuf.device
         whole = rows == list(range(self.rows))
         ridx = torch.tensor(rows, device=dev)
-        n = max(self.lengths[r] for r in rows)
+        widths = self.widths
+        n = max(widths[r] for r in rows)
         for i, layer in enumerate(self.layers):
             kp = (keep if keep.dim() == 3 else keep[i]).to(dev)
+            hole = None if allocation is None else kp < 0
+            kp = kp if hole is None else kp.clamp(min=0)
             new = {}
             for name, b in layer.buffers().items():
                 src = b[:, :, :n] if whole else b.index_select(0, ridx)[:, :, :n]
                 kb = kp if kp.shape[1] == b.shape[1] else kp.expand(-1, b.shape[1], -1)
                 idx = kb.reshape(*kb.shape, *([1] * (b.dim() - 3))).expand(*kb.shape, *b.shape[3:])
                 new[name] = torch.gather(src, 2, idx)
+            if hole is not None:
+                new["p"] = new["p"].masked_fill(hole, -1)
             for name, b in layer.buffers().items():
                 if whole:
                     b[:, :, :k] = new[name]
                 else:
                     b[ridx, :, :k] = new[name]
-        for r in rows:
-            self.lengths[r] = k
-        w = max(self.lengths)
+        for j, r in enumerate(rows):
+            if allocation is None:
+                self.lengths[r], self.holes[r] = k, 0
+            else:
+                self.lengths[r], self.holes[r] = allocation.mean, allocation.widths[j] - allocation.mean
+        self.ragged = self.ragged or allocation is not None
+        w = max(self.widths)
         for layer in self.layers:
             layer.set_width(w)
 
@@ -522,7 +605,7 @@ class RetentionCache(Cache):
     def load_row(self, row: int, src: RetentionCache, src_row: int = 0) -> None:
         """Replace `row` with row `src_row` of `src` (a finished prefill): its stored tokens, positions
         and per-token state. Entries past the new length keep stale data, masked as padding."""
-        n = src.lengths[src_row]
+        n = src.widths[src_row]
         if n > self.layers[0].capacity:
             self._grow(max(2 * self.layers[0].capacity, n))
         for dst_l, src_l in zip(self.layers, src.layers):
@@ -540,9 +623,10 @@ class RetentionCache(Cache):
                     b[row].zero_()
                 else:
                     b[row, :, :n] = sb[src_row, :, :n]
-        self.lengths[row] = n
+        self.lengths[row], self.holes[row] = src.lengths[src_row], src.holes[src_row]
+        self.ragged = self.ragged or src.ragged
         self.slots[row], self.prompt_lengths[row] = src.slots[src_row], src.prompt_lengths[src_row]
-        w = max(self.lengths)
+        w = max(self.widths)
         for layer in self.layers:
             layer.set_width(w)
 
@@ -553,9 +637,10 @@ class RetentionCache(Cache):
         for layer in self.layers:
             layer.set_buffers({k: b.index_select(0, ridx) for k, b in layer.buffers().items()})
         self.lengths = [self.lengths[r] for r in rows]
+        self.holes = [self.holes[r] for r in rows]
         self.slots = [self.slots[r] for r in rows]
         self.prompt_lengths = [self.prompt_lengths[r] for r in rows]
-        w = max(self.lengths, default=0)
+        w = max(self.widths, default=0)
         for layer in self.layers:
             layer.set_width(w)
 
@@ -570,5 +655,5 @@ class RetentionCache(Cache):
             layer.stores = {name: torch.zeros(rows, b.shape[1], capacity, *b.shape[3:], dtype=b.dtype, device=b.device)
                             for name, b in ol.stores.items()}
             layer.set_width(0)
-        c.lengths, c.slots, c.prompt_lengths = [0] * rows, list(range(rows)), [0] * rows
+        c.lengths, c.holes, c.slots, c.prompt_lengths = [0] * rows, [0] * rows, list(range(rows)), [0] * rows
         return c

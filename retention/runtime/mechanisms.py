@@ -16,7 +16,7 @@ from retention.errors import RetentionError
 from retention.plugins import class_identity, entry_point_names, load_plugin
 from retention.runtime.cadence import Cadence, NewlineCadence
 from retention.runtime.decoding import Decoding, LoopGuard
-from retention.runtime.routing import PerLayer, Routing, Shared
+from retention.runtime.routing import AdaKV, PerLayer, PyramidKV, Routing, Shared
 from retention.runtime.state import Merge, Quant, State
 
 
@@ -36,7 +36,8 @@ class Family:
 
 FAMILIES = {
     "cadence": Family("cadence", Cadence, {"fixed": Cadence, "newline": NewlineCadence}, "fixed"),
-    "routing": Family("routing", Routing, {"native": Routing, "shared": Shared, "per-layer": PerLayer}, "native"),
+    "routing": Family("routing", Routing, {"native": Routing, "shared": Shared, "per-layer": PerLayer,
+                                           "pyramidkv": PyramidKV, "adakv": AdaKV}, "native"),
     "state": Family("state", State, {"full": State, "merge": Merge, "quant": Quant}, "full"),
     "decoding": Family("decoding", Decoding, {"none": Decoding, "loop-guard": LoopGuard}, "none"),
 }

@@ -2,7 +2,8 @@
 
     scoring   which tokens are kept                 `Scorer.score` / `select`   (retention.scorers)
     cadence   when a compaction happens             `Cadence.due`, the bound on b (runtime.cadence)
-    routing   which kept set each layer follows     `Routing.configure/select`  (runtime.routing)
+    routing   which kept set each layer follows,    `Routing.configure/keep`    (runtime.routing)
+              and how many (an allocation)
     state     what a kept token is stored as        `State.before/after_compaction`, `row_kib`
     decoding  how generation behaves on the cache   `Decoding.adjust` on each step's logits
 
@@ -19,6 +20,8 @@ The cadence is per row (sequence slot): after a forward, every row whose own sto
 `b + N` (or its prompt exceeded `b`, at prefill) is due, and the scorer runs once over all the rows due
 at that step (one `CacheView`, vectorised over them). Rows that keep different numbers of tokens (only
 with `protect_prompt`, where the prompt is kept on top of `b`) are compacted in groups of equal size.
+An allocating routing (PyramidKV, AdaKV) splits each row's `L x G x k` kept tokens unevenly over
+its layers and heads; the row's mean stays `k` (`retention.runtime.routing`).
 """
 
 from __future__ import annotations
@@ -102,6 +105,11 @@ class RetentionPolicy:
         self.state.after_step(cache, nxt, meters[0].kib_per_token)
         return bool(due)
 
+    def select(self, view, k: int):
+        """What the rows of `view` keep: the routing's kept indices and its `Allocation` (None
+        unless its counts differ across layers and heads), from the scorer's scores."""
+        return self.routing.keep(self.scorer, self.scorer.score(view), view, k)
+
     def _compact(self, cache: RetentionCache, due: list[int], nxt: list[int], meters: list[BudgetMeter]) -> None:
         """Compact the rows `due`, in groups that keep the same number of tokens."""
         groups: dict[int, list[int]] = {}
@@ -112,9 +120,12 @@ class RetentionPolicy:
             view = cache.view([nxt[r] for r in grp], sink=c.sink, recent=c.recent, rows=grp,
                               prompt_length=[cache.prompt_lengths[r] for r in grp],
                               protect_prompt=c.protect_prompt, slots=[cache.slots[r] for r in grp])
-            keep = self.routing.select(self.scorer, self.scorer.score(view), view, k)
+            keep, allocation = self.select(view, k)
             self.state.before_compaction(cache, grp, keep, view)
-            cache.compact_rows(grp, keep)
+            if allocation is None:
+                cache.compact_rows(grp, keep)
+            else:
+                cache.compact_rows(grp, keep, allocation)
             self.state.after_compaction(cache, grp, nxt, meters[grp[0]].kib_per_token)
             self.tracer.compacted(cache, grp, keep, view, self)
             self.scorer.compacted(keep, view)

@@ -205,16 +205,19 @@ class CacheTracer(NullTracer):
 
     def compacted(self, cache, rows, keep, view, policy) -> None:
         kp = keep[None].expand(len(view.positions), *keep.shape) if keep.dim() == 3 else keep  # [Lc, B, H, k]
-        pos = torch.stack([torch.gather(p, 2, kp[i].to(p.device)) for i, p in enumerate(view.positions)])
+        # An allocating routing (PyramidKV, AdaKV) pads each head's kept indices with -1 after its count.
+        held = kp >= 0
+        pos = torch.stack([torch.gather(p, 2, kp[i].clamp(min=0).to(p.device)) for i, p in enumerate(view.positions)])
+        pos = pos.masked_fill(~held.to(pos.device), -1)
         states = {name: torch.stack(masks) for name, masks in policy.state.kept_state(cache, rows).items()}
-        alloc = policy.routing.allocation(view, kp.shape[-1])
-        before = view.valid[0].sum(-1).amax(-1).tolist()  # [B]: stored tokens per (layer, head) before it
+        alloc = held.sum(-1) if not bool(held.all()) else None  # [Lc, B, H]: the routing's counts
+        before = torch.stack(view.valid).sum(-1).amax((0, 2)).tolist()  # [B]: the widest (layer, head) before it
         nxt = view.next_position.tolist()
         plen = view.prompt_length.tolist()
         slots = view.slots.tolist()
         pos = pos.cpu().numpy()
         states = {k: v.cpu().numpy() for k, v in states.items()}
-        alloc = None if alloc is None else alloc.expand(len(view.positions), -1, -1).cpu().numpy()  # [Lc, B, H]
+        alloc = None if alloc is None else alloc.cpu().numpy()  # [Lc, B, H]
         for b, slot in enumerate(slots):
             p = pos[:, b]  # [Lc, H, k]
             s = {k: v[:, b] for k, v in states.items()}
@@ -223,12 +226,14 @@ class CacheTracer(NullTracer):
             if all((x == x[:1]).all() for x in same):  # every group alike: stored once
                 p, s, a = p[:1], {k: v[:1] for k, v in s.items()}, None if a is None else a[:1]
             n_now = int(nxt[b])  # positions 0..n_now-1 exist now
-            bits = np.zeros((*p.shape[:2], n_now), dtype=bool)
+            bits = np.zeros((*p.shape[:2], n_now + 1), dtype=bool)  # the extra column takes the -1 padding
             np.put_along_axis(bits, p, True, axis=-1)
+            bits = bits[..., :n_now]
             packed = {}
             for name, mask in s.items():
-                m = np.zeros_like(bits)
+                m = np.zeros((*p.shape[:2], n_now + 1), dtype=bool)
                 np.put_along_axis(m, p, mask, axis=-1)
+                m = m[..., :n_now]
                 packed[name] = np.packbits(m, axis=-1, bitorder="little")
             self._open[slot].events.append(_Event(n_now - int(plen[b]), int(before[b]), bits.sum(-1),
                                                   np.packbits(bits, axis=-1, bitorder="little"), packed, a))

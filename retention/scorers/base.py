@@ -65,12 +65,19 @@ def topk_keep(scores: torch.Tensor, protected: torch.Tensor, k: int, valid: torc
     Ties go to the lower index (stable sort), the same rule as a greedy `argmax` pick, which is what
     makes `alpha` at lambda = 0 reproduce this selection bit for bit.
     """
+    return torch.sort(keep_order(scores, protected, valid)[..., :k], dim=-1).values
+
+
+def keep_order(scores: torch.Tensor, protected: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`[..., n]` int64: every token index of each row in the order `topk_keep` keeps them
+    (protected first, then by score in float32, ties to the lower index, padding last); the first
+    `k` entries are `topk_keep`'s kept set for any `k` (the allocating routings take a different
+    number per head from this one order)."""
     s = scores.float()
     if valid is not None:
         s = s.masked_fill(~valid, float("-inf"))
     s = s.masked_fill(protected, float("inf"))
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.sort(order, dim=-1).values
+    return torch.sort(s, dim=-1, descending=True, stable=True).indices
 
 
 @dataclass

@@ -1,16 +1,23 @@
-"""The shipped routing golden vectors (PyramidKV, AdaKV from kvpress) are well-formed and self-consistent.
+"""The shipped routing golden vectors (PyramidKV, AdaKV from kvpress) are well-formed and
+self-consistent, and this project's allocations reproduce them (`retention conformance`).
 
-These tests read only the files (format: retention/data/golden/README.md, section 5); checking this
-project's routing against them is `retention conformance`'s job. Each rule is also shown to fail on a
-damaged copy, so a file that passes really has the stated structure.
+The well-formedness tests read only the files (format: retention/data/golden/routing/README.md,
+section 5); the conformance tests run `retention.runtime.allocation` on each case's scores and
+require the reference's budgets, counts and kept slots exactly. Each rule is also shown to fail on a
+damaged copy, so a file that passes really has the stated structure and a pass is not vacuous.
 """
+
+import json
+import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from retention.runs.conformance import load_case, shipped_dir
+from retention.runs.conformance import check_case, load_case, shipped_dir
 
-ROUTING = shipped_dir() / "routing"  # not among the scorer cases `retention conformance` checks (no implementation yet)
+ROUTING = shipped_dir() / "routing"  # checked by `retention conformance` with the scorer cases
 PYRAMID = sorted(p.stem for p in ROUTING.glob("pyramidkv_case*.safetensors"))
 ADA = sorted(p.stem for p in ROUTING.glob("adakv_case*.safetensors"))
 
@@ -186,3 +193,45 @@ def test_adakv_rules_fail_on_damaged_copies(damage, expect):
 
 def test_the_routing_cases_are_shipped():
     assert len(PYRAMID) == 4 and len(ADA) == 2
+
+
+@pytest.mark.parametrize("stem", PYRAMID + ADA)
+def test_the_allocations_reproduce_kvpress(stem):
+    res = check_case(ROUTING / f"{stem}.safetensors")
+    assert res.ok, res.line()
+    assert {"keep_mask", "keep_sorted"} <= set(res.checks)
+    assert ("layer_budget" if stem.startswith("pyramidkv") else "keep_count") in res.checks
+
+
+def _copy(tmp_path, stem):
+    for suffix in (".safetensors", ".json"):
+        shutil.copy(ROUTING / (stem + suffix), tmp_path / (stem + suffix))
+    return tmp_path / f"{stem}.safetensors"
+
+
+def _edit_params(path, **params):
+    side = path.with_suffix(".json")
+    d = json.loads(side.read_text())
+    d["params"].update(params)
+    side.write_text(json.dumps(d))
+
+
+def _edit_tensors(path, fn):
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k).clone() for k in f.keys()}
+    fn(tensors)
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.mark.parametrize(("stem", "damage", "failing"), [
+    ("pyramidkv_case1", lambda p: _edit_params(p, beta=3), "layer_budget"),
+    ("pyramidkv_case3", lambda p: _edit_params(p, compression_ratio=0.52), "layer_budget"),
+    ("pyramidkv_case0", lambda p: _edit_tensors(p, lambda t: swap_kept(t, 1, 1)), "keep_mask"),
+    ("adakv_case1", lambda p: _edit_params(p, alpha_safeguard=0.25), "n_safe"),
+    ("adakv_case0", lambda p: _edit_tensors(p, lambda t: t["scores"][1, 0, 1].mul_(-1)), "keep_count"),
+])
+def test_conformance_fails_on_damaged_routing_cases(tmp_path, stem, damage, failing):
+    path = _copy(tmp_path, stem)
+    damage(path)
+    res = check_case(path)
+    assert not res.ok and any(f.startswith(failing) for f in res.failures), res.line()

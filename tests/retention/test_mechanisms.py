@@ -225,7 +225,7 @@ def test_mechanism_plugins_from_a_file_run_and_are_identified(tmp_path):
 
 @pytest.mark.parametrize(("target", "params"), [
     ("state:quant", {}), ("state:merge", {}), ("decoding:loop-guard", {}),
-    ("cadence:newline", {"max_wait": 4}),
+    ("cadence:newline", {"max_wait": 4}), ("routing:pyramidkv", {}), ("routing:adakv", {}),
 ])
 def test_every_builtin_mechanism_passes_its_checks(target, params):
     family, name = target.split(":")
@@ -233,6 +233,8 @@ def test_every_builtin_mechanism_passes_its_checks(target, params):
     assert all(r.ok is not False for r in results), [r.line() for r in results if r.ok is False]
     names = {r.name for r in results}
     assert {"batch invariance", "resume", "default exact", "mean budget held"} <= names
+    if family == "routing":  # the allocating routings: they allocate, and their trivial member is checked
+        assert {"routing allocation", "trivial member exact"} <= names
 
 
 BROKEN = {
@@ -251,6 +253,17 @@ BROKEN = {
                    "class Coupled(Decoding):\n    name = 'coupled'\n    def adjust(self, logits, rows, histories):\n"
                    "        return logits + logits.mean(0, keepdim=True)[:, :1] * 0 + (len(rows) > 1) * logits.roll(1, -1)\n",
                    "decoding", "Coupled", "batch invariance"),
+    # An allocating routing whose counts depend on the other rows of the view.
+    "pooled.py": ("from dataclasses import dataclass\nimport torch\nfrom retention.runtime.routing import AdaKV\n\n"
+                  "@dataclass\nclass Pooled(AdaKV):\n    name = 'pooled'\n    def allocate(self, scores, view, k):\n"
+                  "        pooled = torch.nan_to_num(scores, posinf=0.0, neginf=0.0).mean(1, keepdim=True)\n"
+                  "        return super().allocate(pooled.expand_as(scores), view, k)\n",
+                  "routing", "Pooled", "batch invariance"),
+    # An allocating routing that keeps one token more than the uniform mean in every row.
+    "greedy.py": ("from dataclasses import dataclass\nfrom retention.runtime.routing import AdaKV\n\n@dataclass\n"
+                  "class Greedy(AdaKV):\n    name = 'greedy'\n    def allocate(self, scores, view, k):\n"
+                  "        counts = super().allocate(scores, view, k).clone()\n        counts[0] += 1\n"
+                  "        return counts\n", "routing", "Greedy", "kept count"),
 }
 
 
