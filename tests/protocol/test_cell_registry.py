@@ -403,7 +403,7 @@ def test_cli_confirm_shard_records_started(tmp_path, monkeypatch):
 
     calls = []
 
-    def shard_runner(cell, arm, cfg, out_dir, *, shard=None, splits_dir=None):
+    def shard_runner(cell, arm, cfg, out_dir, *, shard=None, splits_dir=None, trace=False):
         calls.append((cell["id"], arm, shard))
         d = Path(out_dir) / arm
         d.mkdir(parents=True, exist_ok=True)
