@@ -21,7 +21,8 @@ its row's length; a compaction gathers a row's kept tokens to the front of its o
 is reallocated unless the capacity is exceeded (it then doubles: the `full` policy's growth).
 
 What the model attends to: `layer.keys` / `layer.values` (a layout model: `read(store)`) are views
-`[S, G, w, d]` of the buffers with `w` the largest stored length; entries of a row past its own
+`[S, G, w, d]` of the buffers with `w` the largest stored length (a static cache, `empty_like(static=True)`:
+`w` is the capacity, whatever the rows hold, so that no row's arithmetic depends on its neighbours' lengths); entries of a row past its own
 length are padding, masked by the 4-D additive mask `attention_mask()` (a layout model: by the
 position `PAD` that `layer_positions` reports for them) (None when every row has the same length, so that a single
 sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
@@ -58,6 +59,7 @@ class RetentionLayer(DynamicLayer):
         self.pbuf = None
         self.positions: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
+        self.static = False  # the views span the whole capacity (`RetentionCache.empty_like(static=True)`)
 
     @property
     def kbuf(self):
@@ -80,6 +82,7 @@ class RetentionLayer(DynamicLayer):
         self.is_initialized = True
 
     def set_width(self, w: int) -> None:
+        w = self.capacity if self.static else w
         self.positions = self.pbuf[:, :, :w]
         if "k" in self.stores:
             self.keys, self.values = self.stores["k"][:, :, :w], self.stores["v"][:, :, :w]
@@ -194,6 +197,7 @@ class RetentionCache(Cache):
         self.prompt_lengths: list[int] = []  # prompt tokens of each row's sequence (the prompt rule)
         self._step_positions: torch.Tensor | None = None
         self._write_at: list[int] = []
+        self._write_idx: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, indices) of a scattered write
         # Layout models only (`for_layout`): the layout, its eviction groups, and per step the
         # attention each group's stored tokens received (`collect_attention`), padded positions.
         self.layout = None
@@ -277,7 +281,10 @@ class RetentionCache(Cache):
             self._ensure(key_states, value_states, max(self.lengths, default=0) + q)
             if key_states.shape[0] != self.rows:
                 raise RuntimeError(f"forward of {key_states.shape[0]} rows on a cache of {self.rows}")
-            self._write_at = list(self.lengths)
+            self._write_at = at = list(self.lengths)
+            if any(a != at[0] for a in at):  # rows at different lengths: their write indices, once per forward
+                dev = self.layers[0].pbuf.device
+                self._write_idx = (torch.arange(self.rows, device=dev), torch.tensor(at, device=dev))
         layer = self.layers[layer_idx]
         pos = self._step_positions.to(layer.pbuf.device)[:, None, :].expand(-1, key_states.shape[1], -1)
         at = self._write_at
@@ -289,8 +296,7 @@ class RetentionCache(Cache):
         else:  # rows at different lengths (decode, q = 1): scatter each row's token at its own index
             if q != 1:
                 raise RuntimeError("a multi-token forward needs every row at the same stored length")
-            r = torch.arange(self.rows, device=layer.pbuf.device)
-            idx = torch.tensor(at, device=layer.pbuf.device)
+            r, idx = self._write_idx  # built once per forward (layer 0)
             layer.stores["k"][r, :, idx] = key_states[:, :, 0]
             layer.stores["v"][r, :, idx] = value_states[:, :, 0]
             layer.pbuf[r, :, idx] = pos[:, :, 0]
@@ -321,9 +327,9 @@ class RetentionCache(Cache):
             raise RuntimeError(f"forward of {R} rows on a cache of {self.rows}")
         at = self._write_at = list(self.lengths)
         self.lengths = [a + q for a in at]
-        w = max(self.lengths)
+        w = first.capacity if first.static else max(self.lengths)
         pos = position_ids[:, None, :].expand(-1, self.layout.kv_heads, -1)
-        valid = None if all(n == w for n in self.lengths) else self.valid_mask()[:, None, :]
+        valid = None if all(n == w for n in self.lengths) else self._valid(w)[:, None, :]
         self._layer_pos = []
         for layer in self.layers:
             self._write(layer.pbuf, pos, at)
@@ -377,21 +383,26 @@ class RetentionCache(Cache):
         that hides each row's padding; None when every row will have the same length (no padding)
         and on a layout model (its modules mask padding by position)."""
         new = [n + q for n in self.lengths]
-        if self.is_layout or all(n == new[0] for n in new):
+        first = self.layers[0]
+        static = first.pbuf is not None and first.static
+        if self.is_layout or (not static and all(n == new[0] for n in new)):
             return None
         if q != 1:
             raise RuntimeError("padded rows are decoded one token at a time")
-        dev = self.layers[0].pbuf.device
-        w = max(new)
+        dev = first.pbuf.device
+        w = first.capacity if static else max(new)
         valid = torch.arange(w, device=dev)[None, :] < torch.tensor(new, device=dev)[:, None]
         mask = torch.zeros(len(new), 1, 1, w, dtype=dtype, device=dev)
         return mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
 
     # -- reading ---------------------------------------------------------------------------------
     def valid_mask(self) -> torch.Tensor:
-        """`[S, w]` bool: entry `j` of row `r` holds a stored token (`j < lengths[r]`)."""
+        """`[S, w]` bool over the views' width: entry `j` of row `r` holds a stored token (`j < lengths[r]`)."""
+        first = self.layers[0]
+        return self._valid(first.capacity if first.static else max(self.lengths, default=0))
+
+    def _valid(self, w: int) -> torch.Tensor:
         dev = self.layers[0].pbuf.device
-        w = max(self.lengths, default=0)
         return torch.arange(w, device=dev)[None, :] < torch.tensor(self.lengths, device=dev)[:, None]
 
     def written_slots(self) -> torch.Tensor:
@@ -559,16 +570,22 @@ class RetentionCache(Cache):
         for layer in self.layers:
             layer.set_width(w)
 
+    def release_row(self, row: int) -> None:
+        """`row` holds no sequence now (a padding row of a static step): nothing stored in it."""
+        self.lengths[row] = 0
+
     @classmethod
-    def empty_like(cls, other: RetentionCache, rows: int, capacity: int) -> RetentionCache:
+    def empty_like(cls, other: RetentionCache, rows: int, capacity: int, static: bool = False) -> RetentionCache:
         """A cache of `rows` empty rows with `other`'s geometry (layout, stores), `capacity` tokens
-        preallocated."""
+        preallocated; `static`: every forward attends over the whole capacity, padding masked (the
+        engine's static decode step)."""
         c = cls.for_layout(other.layout, capacity) if other.is_layout else cls(len(other.layers), capacity)
         c.collect_attention = other.collect_attention
         for layer, ol in zip(c.layers, other.layers):
             layer.allocate_positions(rows, ol.pbuf.shape[1], capacity, ol.pbuf.device)
             layer.stores = {name: torch.zeros(rows, b.shape[1], capacity, *b.shape[3:], dtype=b.dtype, device=b.device)
                             for name, b in ol.stores.items()}
+            layer.static = static
             layer.set_width(0)
         c.lengths, c.slots, c.prompt_lengths = [0] * rows, list(range(rows)), [0] * rows
         return c

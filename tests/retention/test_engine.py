@@ -208,3 +208,24 @@ def test_fidelity_batched_equals_alone(tiny64, stats_path):
         assert a["first_divergence_step"] == b["first_divergence_step"] and a["steps"] == b["steps"] == 16
         assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-9, abs=1e-12)
     assert max(g.fidelity.summary()["kl_max"] for g in batched.values()) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_one_host_read_per_decode_step(tiny, stats_path, temperature):
+    """Sampled or greedy, with fidelity: every host read of the run is one the engine counts, one
+    per decode step and one per started sequence (the module docstring's list)."""
+    from retention.runtime.engine import Engine
+    from retention.runtime.syncs import count_host_reads
+
+    cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, ignore_eos=True)
+    policy = make_policy("full", stats_path)
+    eng = Engine(tiny.model, [Request(i, p, i) for i, p in enumerate(PROMPTS)], policy, cfg, set(), 1.0,
+                 batch_size=3, fidelity=True)
+    with torch.inference_mode(), policy.attach(tiny.model), count_host_reads() as counts:
+        eng.fill()
+        while not eng.done:
+            eng.step()
+    st = eng.stats
+    assert st.finished == len(PROMPTS) and st.padding_rows > 0  # the tail ran on padding rows
+    assert st.host_syncs == st.steps and st.start_syncs == 2 * len(PROMPTS)  # token + prefill fidelity
+    assert counts["all"] == st.host_syncs + st.start_syncs
