@@ -435,3 +435,18 @@ def test_mechanisms_of_other_families_are_treatments_of_the_plain_baseline(tmp_p
     assert sorted((r["treatment"], r["baseline"]) for r in rep.comparisons) == [
         ("triattention+loop-guard", "triattention"), ("triattention+quant", "triattention")]
     assert sorted(r["families"] for r in rep.design_space) == ["decoding", "state"]
+
+
+def test_paired_arms_at_different_slot_counts_are_flagged(tmp_path):
+    """A record depends on the slot count it was decoded at: a report warns when paired records
+    were decoded at different ones, and says nothing when they match."""
+    a = make_run(tmp_path, scorer="alpha", n=8)
+    b = make_run(tmp_path, scorer="triattention", n=8, seed=2)
+    for d, slots in ((a, 16), (b, 16)):
+        _write_records(d, [dict(r, slots=slots) for r in _records(d)])
+    rep = report.build_report([tmp_path], boot=200)
+    assert not [n for n in rep.notes if "slot counts" in n]
+    _write_records(b, [dict(r, slots=4 if r["sample"] == 0 else 16) for r in _records(b)])
+    rep = report.build_report([tmp_path], boot=200)
+    warned = [n for n in rep.notes if "slot counts" in n]
+    assert len(warned) == 1 and "8 paired record(s)" in warned[0] and "(16 vs 4)" in warned[0]
