@@ -27,10 +27,11 @@ With `fidelity=True` a second cache of the same rows holds the full (never compa
 same tokens are decoded through it too (batched and static as well); each step records
 KL(p_full || p_retained) and whether the top-1 tokens agree.
 
-Host synchronisation (counted in `EngineStats.host_syncs`): one read per decode step, the sampled
-tokens (the batched EOS and length check), with the fidelity figures in the same read; one per
-started sequence (its first token, with its prefill's fidelity figures). Sampling draws on the
-device; cache lengths and the cadence are tracked on the host, and step timings come from CUDA
+Host synchronisation (counted in `EngineStats.host_syncs` and `start_syncs`): one read per decode
+step, the sampled tokens (the batched EOS and length check), with the fidelity figures in the same
+read; one per started sequence (its first token) and one more with fidelity (its prefill's figures).
+Sampling draws on the device (on a CPU, where a read waits for nothing, the nucleus adds one read per
+sampling call: `retention.runtime.sampling.host_reads`); cache lengths and the cadence are tracked on the host, and step timings come from CUDA
 events on a GPU, so nothing else waits for the device in a decode step (a compaction step reads a
 few small tensors).
 """
@@ -48,7 +49,8 @@ from retention.runtime.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVI
 from retention.runtime.cache import RetentionCache
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
-from retention.runtime.sampling import SamplingConfig, sample_next, sample_rows, sample_tokens  # noqa: F401
+from retention.runtime.sampling import (SamplingConfig, host_reads, sample_next, sample_rows,  # noqa: F401
+                                        sample_tokens)
 
 
 @dataclass
@@ -287,7 +289,7 @@ class Engine:
         while self._next is not None:
             st, lg, tmp, tmp_ref = self._start(slot)
             tok = sample_rows(self.policy.decoding.adjust(lg, [slot], [st.out]), self.sampling, [self.gens[slot]])[0]
-            self.stats.start_syncs += 1
+            self.stats.start_syncs += 1 + host_reads(self.sampling, self.device, lg.shape[-1])
             if self._take(st, tok, lg[0]):
                 self._finish(st)
                 continue
@@ -368,7 +370,7 @@ class Engine:
         # The one host read of the step: the tokens (batched EOS and length checks), the fidelity figures.
         A = len(act)
         read = (toks.tolist() if fid is None else torch.cat([toks.double(), fid[0], fid[1].double()]).tolist())
-        stats.host_syncs += 1
+        stats.host_syncs += 1 + host_reads(self.sampling, self.device, logits.shape[-1])
         if whole:
             self._ids.copy_(toks[:, None])
         else:

@@ -38,10 +38,10 @@ def _policy(name, stats_path):
     return RetentionPolicy(sc, cadence_for(sc, 24 if sc.evicts else None, 4 if sc.evicts else None))
 
 
-def _records(model, policy, requests, eos, max_prompt):
+def _records(model, policy, requests, eos, max_prompt, temperature):
     """{key: (tokens, finish, meter summary, fidelity summary)} of one engine run at SLOTS slots."""
     out = {}
-    cfg = SamplingConfig(max_new_tokens=NEW)
+    cfg = SamplingConfig(max_new_tokens=NEW, temperature=temperature, top_p=0.9)
     kw = {"max_prompt": max_prompt} if max_prompt is not None else {}
     run_engine(model, requests, policy, cfg, eos, 1.0, batch_size=SLOTS, fidelity=True,
                on_finish=lambda r, g: out.__setitem__(r.key, (g.token_ids, g.finish_reason, g.meter.summary(),
@@ -49,20 +49,21 @@ def _records(model, policy, requests, eos, max_prompt):
     return out
 
 
-@pytest.mark.parametrize("name", ["full", "streaming", "triattention", "h2o", "alpha"])
-def test_bf16_records_do_not_depend_on_the_batch(tiny_bf16, stats_path, name):
+@pytest.mark.parametrize("name,temperature", [(n, 0.0) for n in ("full", "streaming", "triattention", "h2o", "alpha")]
+                         + [("full", 0.8), ("alpha", 0.8)])
+def test_bf16_records_do_not_depend_on_the_batch(tiny_bf16, stats_path, name, temperature):
     mine = [Request(("p", i), p, i) for i, p in enumerate(PROMPTS)]
     others = [Request(("o", i), p, 100 + i) for i, p in enumerate(OTHERS)]
     longest = max(len(p) for p in PROMPTS + OTHERS)  # the run's longest prompt sizes every row
-    base = _records(tiny_bf16, _policy(name, stats_path), mine, set(), longest)
+    base = _records(tiny_bf16, _policy(name, stats_path), mine, set(), longest, temperature)
     # Token ids that end the first run's sequences at different steps: slots free and refill at other
     # steps in every composition below.
     eos = {toks[k] for (_, i), (toks, *_rest) in base.items() for k in (3 + 4 * i,) if i % 2 and k < len(toks)}
-    base = _records(tiny_bf16, _policy(name, stats_path), mine, eos, longest)
+    base = _records(tiny_bf16, _policy(name, stats_path), mine, eos, longest, temperature)
     assert len({len(v[0]) for v in base.values()}) >= 3  # different lengths: refills at different steps
     shuffled = mine + others
     random.Random(1).shuffle(shuffled)
     for requests in (mine[::-1], shuffled, others[:3] + mine[5:] + others[3:] + mine[:5]):
-        got = _records(tiny_bf16, _policy(name, stats_path), requests, eos, longest)
+        got = _records(tiny_bf16, _policy(name, stats_path), requests, eos, longest, temperature)
         for key, want in base.items():
             assert got[key] == want, (name, key)

@@ -55,6 +55,8 @@ def test_bench_batched_lockstep_rows(tmp_path):
     for r in fig["speed"]:
         assert r["prompt_tokens"] == 40 and r["steps"] == 11
         assert r["tokens_per_second"] > 0 and r["step_ms_median"] > 0 and 0 <= r["compaction_share"] < 1
+        if r["variant"] in ("dynamic-cache", "full"):  # no compaction: the tokens' read, once per step
+            assert r["host_syncs_per_step"] == 1.0
         if r["variant"] == "streaming":
             assert r["allocated_bytes_per_sequence"] == (24 - 4 - 1 + 8) * token_bytes
             assert r["cache_mean_tokens"] <= 24

@@ -210,14 +210,19 @@ def test_fidelity_batched_equals_alone(tiny64, stats_path):
     assert max(g.fidelity.summary()["kl_max"] for g in batched.values()) > 0
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_one_host_read_per_decode_step(tiny, stats_path, temperature):
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 1.0), (0.8, 0.9)])
+def test_one_host_read_per_decode_step(tiny, stats_path, temperature, top_p, monkeypatch):
     """Sampled or greedy, with fidelity: every host read of the run is one the engine counts, one
-    per decode step and one per started sequence (the module docstring's list)."""
+    per decode step and one per started sequence (the module docstring's list; on a CPU the nucleus
+    adds one per sampling call)."""
+    from retention.runtime import sampling
+    from retention.runtime.sampling import host_reads
+
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 64)  # below tiny-random's 256 tokens: the CPU's read
     from retention.runtime.engine import Engine
     from retention.runtime.syncs import count_host_reads
 
-    cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, ignore_eos=True)
+    cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_p=top_p, ignore_eos=True)
     policy = make_policy("full", stats_path)
     eng = Engine(tiny.model, [Request(i, p, i) for i, p in enumerate(PROMPTS)], policy, cfg, set(), 1.0,
                  batch_size=3, fidelity=True)
@@ -227,5 +232,7 @@ def test_one_host_read_per_decode_step(tiny, stats_path, temperature):
             eng.step()
     st = eng.stats
     assert st.finished == len(PROMPTS) and st.padding_rows > 0  # the tail ran on padding rows
-    assert st.host_syncs == st.steps and st.start_syncs == 2 * len(PROMPTS)  # token + prefill fidelity
+    extra = host_reads(cfg, torch.device("cpu"), tiny.model.config.vocab_size)
+    assert extra == (top_p < 1)
+    assert st.host_syncs == (1 + extra) * st.steps and st.start_syncs == (2 + extra) * len(PROMPTS)
     assert counts["all"] == st.host_syncs + st.start_syncs
