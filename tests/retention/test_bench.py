@@ -88,3 +88,22 @@ def test_bench_prompts_the_model_as_run_does():
         figures[style] = fig["prompt_tokens"]
         assert fig["prompt_tokens"] == len(format_prompt(loaded.tokenizer, problems[0].problem, style))
     assert figures["chat"] != figures["r1"]
+
+
+def test_gpu_bench_graph_safe_step_matches_the_engine_on_cpu(tmp_path):
+    """scripts/gpu_bench.py's graph-safe static forward (what it captures as a CUDA graph on a GPU)
+    gives the engine's own logits, bit for bit, at every step of a CPU smoke run, compactions and
+    the full cache included (a mismatch would turn it off and say so in the row)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    gpu_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench)
+    out = tmp_path / "gpu.json"
+    assert gpu_bench.main(["--device", "cpu", "--shape", "tiny", "--batch-sizes", "4", "--new-tokens", "24",
+                           "--prompt", "20", "--budget", "12", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["scorer"] for r in rows] == ["alpha", "full"] and all(r["completed"] for r in rows)
+    assert all(r["graphs"].startswith("off (no GPU: the graph-safe forward runs eagerly, checked)") for r in rows)
