@@ -157,6 +157,17 @@ def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens
     return prompt_length + max_new_tokens
 
 
+def _full_copy(cache: RetentionCache, capacity: int) -> RetentionCache:
+    """A reference (never compacted) cache holding what single-row `cache` stores: its stores and
+    positions, not a scorer's per-token state."""
+    ref = RetentionCache.empty_like(cache, 1, capacity)
+    ref.load_row(0, cache)
+    for layer in ref.layers:
+        layer.extra = {}
+    ref.collect_attention = False
+    return ref
+
+
 class Engine:
     """The batched decode loop as an object: `fill()` starts up to `batch_size` requests, each `step()`
     decodes one token in every slot (refilling finished ones), `done` when nothing is left.
@@ -220,10 +231,9 @@ class Engine:
         lg = self.adapter.forward(ids, pos, tmp)
         st.meter.record_prefill(tmp.stored_lengths())
         tmp_ref = None
-        if self.fidelity:
-            tmp_ref = self.adapter.new_cache(P + sampling.max_new_tokens)
-            tmp_ref.slots, tmp_ref.prompt_lengths = [slot], [P]
-            st.fid.add(self.adapter.forward(ids, pos, tmp_ref)[0], lg[0])
+        if self.fidelity:  # the full cache of the prompt is what the prefill just stored: a copy, before
+            tmp_ref = _full_copy(tmp, P + sampling.max_new_tokens)  # any compaction (its forward is this one)
+            st.fid.add(lg[0], lg[0])
             self.stats.start_syncs += 1
         t_c = _now(dev)
         self.stats.prefill_seconds += t_c - t0

@@ -236,3 +236,16 @@ def test_one_host_read_per_decode_step(tiny, stats_path, temperature, top_p, mon
     assert extra == (top_p < 1)
     assert st.host_syncs == (1 + extra) * st.steps and st.start_syncs == (2 + extra) * len(PROMPTS)
     assert counts["all"] == st.host_syncs + st.start_syncs
+
+
+def test_fidelity_kl_is_the_written_out_sum():
+    """`step_agreement`'s fused KL is sum p (log p - log q) in float64, bit for bit."""
+    from retention.runtime.fidelity import step_agreement
+
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.randn(5, 3000, generator=g) * 3).to(torch.bfloat16)
+    lg = ref + (torch.randn(5, 3000, generator=g) * 0.5).to(torch.bfloat16)
+    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(lg.double(), -1)
+    kl, agree = step_agreement(ref, lg)
+    assert torch.equal(kl, (p.exp() * (p - q)).sum(-1).clamp(min=0.0))
+    assert torch.equal(agree, ref.argmax(-1) == lg.argmax(-1))
