@@ -9,8 +9,9 @@ Printed and written as JSON: aggregate decode tokens/s, median step time, compac
 GPU memory, and how many steps were measured (a variant is stopped after `--step-seconds` of
 decoding so that the whole script fits its time budget; its tokens/s is over the steps it ran).
 
-On CUDA the engine's static decode forward (`S` rows over the whole preallocated capacity: the same
-shapes and buffers at every step) is captured once per variant as a CUDA graph and replayed
+On CUDA the engine's static decode forward (`S` rows over preallocated buffers, views of a width that
+grows a 512-token block at a time: the same shapes and buffers at every step of a block) is captured
+once per variant and width as a CUDA graph and replayed
 (`GraphedStep`; `--no-graphs` decodes eagerly). Its first `CHECK_STEPS` replays are checked against
 the engine's own eager forward (same logits, bit for bit); a capture that fails or a mismatch turns
 the graph off for that variant and the row says why (`graphs`). On a CPU (`--device cpu --shape
@@ -86,20 +87,21 @@ class GraphedStep:
     written at each row's length through device index tensors (`idx`, refreshed before each replay,
     like the padding mask, outside the graph), and the views the model attends to are the static
     cache's full-capacity views. The host bookkeeping the eager write does (each row's length, the
-    write positions a scorer reads after the forward) is done here after each replay. A compaction
-    or refill writes the same buffers in place; a buffer that moved (it cannot in a static cache:
-    rows never outgrow the capacity) is captured again."""
+    write positions a scorer reads after the forward) is done here after each replay. The views'
+    width grows a block at a time (`RetentionLayer.view_width`): one graph per width. A compaction or
+    refill writes the same buffers in place; a buffer that moved (it cannot in a static cache: rows
+    never outgrow the capacity) is captured again."""
 
     def __init__(self, eng, capture: bool):
         self.eng, self.cache, self.eager = eng, eng.cache, eng.adapter.forward
-        self.capture, self.graph, self.ptrs, self.out = capture, None, None, None
+        self.capture, self.graphs = capture, {}  # width -> (graph, logits, mask, buffer pointers)
         self.checks = CHECK_STEPS if capture else 1 << 30  # on a CPU: every step
         self.status = "on" if capture else "off (no GPU: the graph-safe forward runs eagerly, checked)"
         self.failed = False
         c, dev = self.cache, eng.device
         self.rows = torch.arange(c.rows, device=dev)
         self.idx = torch.zeros(c.rows, dtype=torch.long, device=dev)
-        self.mask = None
+        self.mask = None  # the padding mask of this step's width (a static buffer per graph)
         self.kw = eng.adapter.cache_kw
 
     def _update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -125,36 +127,41 @@ class GraphedStep:
     def _buffers(self):
         return [b.data_ptr() for layer in self.cache.layers for b in layer.buffers().values()]
 
-    def _record(self):
+    def _record(self, width: int):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (writes the same token at the same place: harmless)
             for _ in range(2):
                 self._body()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._body()
-        self.ptrs = self._buffers()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._body()
+        self.graphs[width] = (graph, out, self.mask, self._buffers())
 
     def __call__(self, ids, pos, cache, padded=False):
         lengths = list(cache.lengths)
         if cache is not self.cache or self.failed or max(lengths) + 1 > cache.layers[0].capacity:
             return self.eager(ids, pos, cache, padded)
         self.idx.copy_(torch.tensor(lengths, device=self.idx.device))
-        mask = cache.attention_mask(1, self.eng.adapter.dtype)  # [S, 1, 1, cap]: always one (static)
-        if self.mask is None:
-            self.mask = mask
+        mask = cache.attention_mask(1, self.eng.adapter.dtype)  # [S, 1, 1, w]: always one (static)
+        width = mask.shape[-1]
+        for layer in cache.layers:  # the views of this step's width (the eager write sets them itself)
+            layer.set_width(width)
+        got = self.graphs.get(width)
+        if got is not None and got[3] == self._buffers():
+            got[2].copy_(mask)
         else:
-            self.mask.copy_(mask)
+            got, self.mask = None, mask
         try:
             if not self.capture:
                 out = self._body()
             else:
-                if self.graph is None or self._buffers() != self.ptrs:
-                    self._record()
-                self.graph.replay()
-                out = self.out
+                if got is None:
+                    self._record(width)
+                    got = self.graphs[width]
+                got[0].replay()
+                out = got[1]
         except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly, say why
             self.failed, self.status = True, f"off (capture failed: {type(exc).__name__}: {exc})"[:300]
             cache.lengths = lengths

@@ -22,7 +22,9 @@ is reallocated unless the capacity is exceeded (it then doubles: the `full` poli
 
 What the model attends to: `layer.keys` / `layer.values` (a layout model: `read(store)`) are views
 `[S, G, w, d]` of the buffers with `w` the largest stored length (a static cache, `empty_like(static=True)`:
-`w` is the capacity, whatever the rows hold, so that no row's arithmetic depends on its neighbours' lengths); entries of a row past its own
+`w` is the capacity, or above `WIDTH_BLOCK` the longest row rounded up to a multiple of it, so that no
+row's arithmetic depends on its neighbours' lengths: the attention kernels reduce over fixed blocks of
+keys, and a block of padding only adds exact zeros); entries of a row past its own
 length are padding, masked by the 4-D additive mask `attention_mask()` (a layout model: by the
 position `PAD` that `layer_positions` reports for them) (None when every row has the same length, so that a single
 sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
@@ -45,6 +47,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 PAD = 2**62  # the position padding reads as on a layout model (`layer_positions`): after every query
+# A static cache's views grow in blocks of this many tokens once its capacity exceeds it (a multiple of
+# it: `static_capacity`). The CPU flash-attention kernel reduces over blocks of 512 keys once there are
+# at least 512 (GPU kernels over divisors of it); below that, over the whole width.
+WIDTH_BLOCK = 512
+
+
+def static_capacity(tokens: int) -> int:
+    """The capacity of a static cache that must hold `tokens` per row: above `WIDTH_BLOCK`, rounded
+    up to a multiple of it (so that every view width is)."""
+    return tokens if tokens <= WIDTH_BLOCK else -(-tokens // WIDTH_BLOCK) * WIDTH_BLOCK
 
 
 class RetentionLayer(DynamicLayer):
@@ -59,7 +71,7 @@ class RetentionLayer(DynamicLayer):
         self.pbuf = None
         self.positions: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
-        self.static = False  # the views span the whole capacity (`RetentionCache.empty_like(static=True)`)
+        self.static = False  # views of a width that does not depend on other rows (`view_width`)
 
     @property
     def kbuf(self):
@@ -81,8 +93,16 @@ class RetentionLayer(DynamicLayer):
         self.stores, self.extra = {}, {}
         self.is_initialized = True
 
+    def view_width(self, longest: int) -> int:
+        """The width of the views when the longest row holds `longest` tokens: that, or in a static
+        cache the capacity (at most `WIDTH_BLOCK`) or `longest` rounded up to a multiple of `WIDTH_BLOCK`."""
+        if not self.static:
+            return longest
+        cap = self.capacity
+        return cap if cap <= WIDTH_BLOCK else min(cap, max(1, -(-longest // WIDTH_BLOCK)) * WIDTH_BLOCK)
+
     def set_width(self, w: int) -> None:
-        w = self.capacity if self.static else w
+        w = self.view_width(w)
         self.positions = self.pbuf[:, :, :w]
         if "k" in self.stores:
             self.keys, self.values = self.stores["k"][:, :, :w], self.stores["v"][:, :, :w]
@@ -327,7 +347,7 @@ class RetentionCache(Cache):
             raise RuntimeError(f"forward of {R} rows on a cache of {self.rows}")
         at = self._write_at = list(self.lengths)
         self.lengths = [a + q for a in at]
-        w = first.capacity if first.static else max(self.lengths)
+        w = first.view_width(max(self.lengths))
         pos = position_ids[:, None, :].expand(-1, self.layout.kv_heads, -1)
         valid = None if all(n == w for n in self.lengths) else self._valid(w)[:, None, :]
         self._layer_pos = []
@@ -390,7 +410,7 @@ class RetentionCache(Cache):
         if q != 1:
             raise RuntimeError("padded rows are decoded one token at a time")
         dev = first.pbuf.device
-        w = first.capacity if static else max(new)
+        w = first.view_width(max(new))
         valid = torch.arange(w, device=dev)[None, :] < torch.tensor(new, device=dev)[:, None]
         mask = torch.zeros(len(new), 1, 1, w, dtype=dtype, device=dev)
         return mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
@@ -399,7 +419,7 @@ class RetentionCache(Cache):
     def valid_mask(self) -> torch.Tensor:
         """`[S, w]` bool over the views' width: entry `j` of row `r` holds a stored token (`j < lengths[r]`)."""
         first = self.layers[0]
-        return self._valid(first.capacity if first.static else max(self.lengths, default=0))
+        return self._valid(first.view_width(max(self.lengths, default=0)))
 
     def _valid(self, w: int) -> torch.Tensor:
         dev = self.layers[0].pbuf.device
@@ -577,8 +597,8 @@ class RetentionCache(Cache):
     @classmethod
     def empty_like(cls, other: RetentionCache, rows: int, capacity: int, static: bool = False) -> RetentionCache:
         """A cache of `rows` empty rows with `other`'s geometry (layout, stores), `capacity` tokens
-        preallocated; `static`: every forward attends over the whole capacity, padding masked (the
-        engine's static decode step)."""
+        preallocated; `static`: the views' width never depends on which rows are long
+        (`RetentionLayer.view_width`; padding masked): the engine's static decode step."""
         c = cls.for_layout(other.layout, capacity) if other.is_layout else cls(len(other.layers), capacity)
         c.collect_attention = other.collect_attention
         for layer, ol in zip(c.layers, other.layers):

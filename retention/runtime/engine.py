@@ -10,12 +10,13 @@ sequence ends (EOS or length) hands its `Generation` to `on_finish` at once and 
 request; when the queue is empty it stays in the batch as a padding row (one stored token, its
 output discarded, never compacted, no meter), so every decode step of a run has `S` rows.
 
-The static step (`S > 1`): every decode forward runs on all `S` rows over a cache whose views span
-its whole preallocated capacity (`RetentionCache.empty_like(static=True)`, padding masked), with the
-token ids and positions in `[S, 1]` buffers updated in place. The shapes of every product are then
-the same at every step of a run, whoever shares the batch: in bfloat16 too, where the kernels round
-differently for each row count and each attended width, a record depends on the slot count (and the
-capacity, fixed per run by the longest prompt it will see, `max_prompt`) and on nothing else.
+The static step (`S > 1`): every decode forward runs on all `S` rows over a static cache
+(`RetentionCache.empty_like(static=True)`: views as wide as the capacity, or above 512 tokens as the
+longest row rounded up to a multiple of 512, padding masked), with the token ids and positions in
+`[S, 1]` buffers updated in place. No row's arithmetic then depends on who shares the batch: in
+bfloat16 too, where the kernels round differently for each row count and each attended width, a
+record depends on the slot count (and the capacity, fixed per run by the longest prompt it will see,
+`max_prompt`) and on nothing else.
 
 Why the output of a sequence does not depend on its neighbours: the prefill runs alone; every decode
 step attends within its own row (padding masked) at a fixed width; the cadence and the scorer's state
@@ -46,7 +47,7 @@ import torch
 
 from retention.runtime.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVIDES, ModelAdapter, cache_kwarg,  # noqa: F401
                                forward_step, provides)
-from retention.runtime.cache import RetentionCache
+from retention.runtime.cache import RetentionCache, static_capacity
 from retention.runtime.fidelity import Fidelity, step_agreement
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
@@ -294,10 +295,11 @@ class Engine:
         if first is None:
             return
         new, static = self.sampling.max_new_tokens, self.S > 1
-        cap = default_capacity(self.policy, self.max_prompt, new)
+        size = static_capacity if static else int
+        cap = size(default_capacity(self.policy, self.max_prompt, new))
         self.cache = RetentionCache.empty_like(first[1], self.S, cap, static=static)
         if self.fidelity:
-            self.ref = RetentionCache.empty_like(first[2], self.S, self.max_prompt + new, static=static)
+            self.ref = RetentionCache.empty_like(first[2], self.S, size(self.max_prompt + new), static=static)
             self.ref.collect_attention = False
         self._ids = torch.zeros(self.S, 1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(self.S, 1, dtype=torch.long, device=self.device)

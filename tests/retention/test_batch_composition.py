@@ -67,3 +67,22 @@ def test_bf16_records_do_not_depend_on_the_batch(tiny_bf16, stats_path, name, te
         got = _records(tiny_bf16, _policy(name, stats_path), requests, eos, longest, temperature)
         for key, want in base.items():
             assert got[key] == want, (name, key)
+
+
+def test_bf16_records_do_not_depend_on_the_width_block_a_neighbour_reaches(tiny_bf16, stats_path):
+    """Rows longer than `WIDTH_BLOCK` widen the views a block at a time: a row that stays under 512
+    tokens decodes the same whether its neighbours cross into the next block or not."""
+    from retention.runtime.cache import WIDTH_BLOCK
+
+    g = torch.Generator().manual_seed(9)
+    short = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 330, 360)]
+    long = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (470, 490, 20, 480)]
+    mine = [Request(("s", i), p, i) for i, p in enumerate(short)]
+    others = [Request(("l", i), p, 10 + i) for i, p in enumerate(long)]
+    longest = max(len(p) for p in short + long)
+    assert max(map(len, short)) + NEW < WIDTH_BLOCK < max(map(len, long)) + NEW  # only neighbours cross
+    base = _records(tiny_bf16, _policy("full", stats_path), mine, set(), longest, 0.0)
+    for requests in (mine[::-1] + others, [others[0], mine[1], others[1], mine[0], others[3], mine[2], others[2]]):
+        got = _records(tiny_bf16, _policy("full", stats_path), requests, set(), longest, 0.0)
+        for key, want in base.items():
+            assert got[key] == want, key

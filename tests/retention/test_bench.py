@@ -102,8 +102,8 @@ def test_gpu_bench_graph_safe_step_matches_the_engine_on_cpu(tmp_path):
     gpu_bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_bench)
     out = tmp_path / "gpu.json"
-    assert gpu_bench.main(["--device", "cpu", "--shape", "tiny", "--batch-sizes", "4", "--new-tokens", "24",
-                           "--prompt", "20", "--budget", "12", "--out", str(out)]) == 0
+    assert gpu_bench.main(["--device", "cpu", "--shape", "tiny", "--batch-sizes", "4", "--new-tokens", "40",
+                           "--prompt", "490", "--budget", "12", "--out", str(out)]) == 0  # full crosses 512
     rows = json.loads(out.read_text())["rows"]
     assert [r["scorer"] for r in rows] == ["alpha", "full"] and all(r["completed"] for r in rows)
     assert all(r["graphs"].startswith("off (no GPU: the graph-safe forward runs eagerly, checked)") for r in rows)
