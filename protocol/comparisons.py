@@ -189,6 +189,24 @@ def pair_tests(pairs: list, prov: dict, given: dict) -> list[dict]:
     return out
 
 
+def slot_notes(pairs: list) -> list[str]:
+    """One line per comparison whose paired records were decoded at different slot counts (the
+    records' `slots`): a record of this project's engine depends on its slot count (in bfloat16 the
+    kernels round differently for each), so part of such a paired difference is rounding."""
+    notes = []
+    for t, b in pairs:
+        slots_b = {(r["problem_id"], r["sample"]): r.get("slots") for r in b.records}
+        differ = [(r.get("slots"), slots_b[k]) for r in t.records
+                  if (k := (r["problem_id"], r["sample"])) in slots_b and None not in (r.get("slots"), slots_b[k])
+                  and r.get("slots") != slots_b[k]]
+        if differ:
+            counts = ", ".join(f"{x} vs {y}" for x, y in sorted(set(differ)))
+            notes.append(f"WARNING {t.model}/{t.budget} {t.label} vs {b.label}: {len(differ)} paired record(s) "
+                         f"decoded at different slot counts ({counts}); rerun one arm at the other's --batch-size "
+                         "to compare them at one")
+    return notes
+
+
 def mixed_family(pairs: list, tests: list[dict]) -> str | None:
     """A note when one Bonferroni family (a given --m) spans several datasets, else None."""
     datasets = sorted({t.dataset for (t, _b), test in zip(pairs, tests) if test["source"] == "report settings"})

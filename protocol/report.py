@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.comparisons import (BASELINE_SCORER, SUBSET_BOOT, budget_key, compare,  # noqa: F401
-                                  match_baseline, mixed_family, pair_tests, plan_comparisons)
+                                  match_baseline, mixed_family, pair_tests, plan_comparisons, slot_notes)
 from protocol.design_space import design_space_rows
 from protocol.failure_modes import failure_modes
 from protocol.diagnostics import (accounting_effects, aggregate_trace, effect_vs_n,  # noqa: F401
@@ -85,7 +85,7 @@ def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int 
     notes += [w for r in runs for w in r.warnings] + prov["warnings"]
     given = {"boot": boot, "boot_max": boot_max, "seed": seed, "alpha": alpha, "m": m}
     tests = pair_tests(pairs, prov, given)
-    notes += [n for n in [mixed_family(pairs, tests)] if n]
+    notes += [n for n in [mixed_family(pairs, tests)] if n] + slot_notes(pairs)
     summaries = {id(r): summarize_run(r) for r in runs}
     rows, subsets = compare(pairs, tests, summaries, prov, subset_boot)
     models = list(dict.fromkeys(r.model for r in runs))

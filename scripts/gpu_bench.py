@@ -9,6 +9,15 @@ Printed and written as JSON: aggregate decode tokens/s, median step time, compac
 GPU memory, and how many steps were measured (a variant is stopped after `--step-seconds` of
 decoding so that the whole script fits its time budget; its tokens/s is over the steps it ran).
 
+On CUDA the engine's static decode forward (`S` rows over preallocated buffers, views of a width that
+grows a 512-token block at a time: the same shapes and buffers at every step of a block) is captured
+once per variant and width as a CUDA graph and replayed
+(`GraphedStep`; `--no-graphs` decodes eagerly). Its first `CHECK_STEPS` replays are checked against
+the engine's own eager forward (same logits, bit for bit); a capture that fails or a mismatch turns
+the graph off for that variant and the row says why (`graphs`). On a CPU (`--device cpu --shape
+tiny`) the same graph-safe forward runs eagerly and is checked at every step, which tests all but
+the capture itself.
+
     python scripts/gpu_bench.py --out gpu_bench.json        # needs a CUDA device
 """
 
@@ -67,7 +76,116 @@ def largest_batch(model, device, per_seq_tokens: int, cap: int) -> int:
     return max(1, min(cap, int(0.8 * free / (per_seq_tokens * bytes_per_token(model)))))
 
 
-def measure(model, policy, S, prompt_len, new_tokens, step_seconds, device) -> dict:
+CHECK_STEPS = 3  # replays compared with the eager forward before the graph is trusted
+
+
+class GraphedStep:
+    """The engine's decode forward over its main cache as a CUDA graph (a stand-in for
+    `ModelAdapter.forward`; any other forward, a prefill, goes to the eager one).
+
+    Inside the graph nothing depends on a host value: the new keys, values and positions are
+    written at each row's length through device index tensors (`idx`, refreshed before each replay,
+    like the padding mask, outside the graph), and the views the model attends to are the static
+    cache's full-capacity views. The host bookkeeping the eager write does (each row's length, the
+    write positions a scorer reads after the forward) is done here after each replay. The views'
+    width grows a block at a time (`RetentionLayer.view_width`): one graph per width. A compaction or
+    refill writes the same buffers in place; a buffer that moved (it cannot in a static cache: rows
+    never outgrow the capacity) is captured again."""
+
+    def __init__(self, eng, capture: bool):
+        self.eng, self.cache, self.eager = eng, eng.cache, eng.adapter.forward
+        self.capture, self.graphs = capture, {}  # width -> (graph, logits, mask, buffer pointers)
+        self.checks = CHECK_STEPS if capture else 1 << 30  # on a CPU: every step
+        self.status = "on" if capture else "off (no GPU: the graph-safe forward runs eagerly, checked)"
+        self.failed = False
+        c, dev = self.cache, eng.device
+        self.rows = torch.arange(c.rows, device=dev)
+        self.idx = torch.zeros(c.rows, dtype=torch.long, device=dev)
+        self.mask = None  # the padding mask of this step's width (a static buffer per graph)
+        self.kw = eng.adapter.cache_kw
+
+    def _update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.cache.layers[layer_idx]
+        r, idx = self.rows, self.idx
+        layer.stores["k"][r, :, idx] = key_states[:, :, 0]
+        layer.stores["v"][r, :, idx] = value_states[:, :, 0]
+        layer.pbuf[r, :, idx] = self.eng._pos  # [S, 1]: every KV head
+        for b in layer.extra.values():  # per-token state of a new token starts at zero
+            b[r, :, idx] = 0
+        return layer.keys, layer.values
+
+    def _body(self):
+        cache = self.cache
+        cache.update = self._update  # an instance attribute: the model's attention calls this one
+        try:
+            cache.set_step_positions(self.eng._pos)
+            return self.eng.model(input_ids=self.eng._ids, position_ids=self.eng._pos, use_cache=True,
+                                  logits_to_keep=1, attention_mask=self.mask, **{self.kw: cache}).logits[:, -1]
+        finally:
+            del cache.update
+
+    def _buffers(self):
+        return [b.data_ptr() for layer in self.cache.layers for b in layer.buffers().values()]
+
+    def _record(self, width: int):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (writes the same token at the same place: harmless)
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._body()
+        self.graphs[width] = (graph, out, self.mask, self._buffers())
+
+    def __call__(self, ids, pos, cache, padded=False):
+        lengths = list(cache.lengths)
+        if cache is not self.cache or self.failed or max(lengths) + 1 > cache.layers[0].capacity:
+            return self.eager(ids, pos, cache, padded)
+        self.idx.copy_(torch.tensor(lengths, device=self.idx.device))
+        mask = cache.attention_mask(1, self.eng.adapter.dtype)  # [S, 1, 1, w]: always one (static)
+        width = mask.shape[-1]
+        for layer in cache.layers:  # the views of this step's width (the eager write sets them itself)
+            layer.set_width(width)
+        got = self.graphs.get(width)
+        if got is not None and got[3] == self._buffers():
+            got[2].copy_(mask)
+        else:
+            got, self.mask = None, mask
+        try:
+            if not self.capture:
+                out = self._body()
+            else:
+                if got is None:
+                    self._record(width)
+                    got = self.graphs[width]
+                got[0].replay()
+                out = got[1]
+        except Exception as exc:  # noqa: BLE001 - any capture failure: decode eagerly, say why
+            self.failed, self.status = True, f"off (capture failed: {type(exc).__name__}: {exc})"[:300]
+            cache.lengths = lengths
+            return self.eager(ids, pos, cache, padded)
+        cache._write_at, cache.lengths = lengths, [n + 1 for n in lengths]
+        if self.checks > 0:  # the engine's own forward again: the same writes and the reference logits
+            self.checks -= 1
+            wrote = self._written()
+            cache.lengths = lengths
+            ref = self.eager(ids, pos, cache, padded)
+            same = all(torch.equal(a, b) for a, b in zip(wrote, self._written()))
+            if not (same and torch.equal(ref, out)):
+                diff = float((ref.float() - out.float()).abs().max())
+                self.failed = True
+                self.status = f"off (replay differs from the eager forward: logits by {diff:.3g}, cache writes same: {same})"
+                return ref
+        return out
+
+    def _written(self) -> list[torch.Tensor]:
+        """What the last forward wrote into every buffer (stores, positions, per-token state)."""
+        return [b[self.rows, :, self.idx].clone() for layer in self.cache.layers for b in layer.buffers().values()]
+
+
+def measure(model, policy, S, prompt_len, new_tokens, step_seconds, device, graphs: bool = True) -> dict:
     gen = torch.Generator().manual_seed(S)
     reqs = [Request(i, torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist(), i)
             for i in range(S)]
@@ -84,6 +202,10 @@ def measure(model, policy, S, prompt_len, new_tokens, step_seconds, device) -> d
         if cuda:
             torch.cuda.synchronize(device)
         prefill_s = time.perf_counter() - t0
+        step = None
+        if graphs and eng.cache is not None and S > 1:  # the static step (S = 1 runs the DynamicCache path)
+            step = GraphedStep(eng, capture=cuda)
+            eng.adapter.forward = step
         tokens0 = eng.stats.tokens
         t_dec = time.perf_counter()
         while eng.rows and time.perf_counter() - t_dec < step_seconds:
@@ -98,7 +220,8 @@ def measure(model, policy, S, prompt_len, new_tokens, step_seconds, device) -> d
             "step_ms_median": 1000 * statistics.median(steps) if steps else None,
             "compaction_share": eng.stats.compaction_seconds / decode_s if decode_s > 0 else 0.0,
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
-            "cache_allocated_gib": eng.stats.allocated_bytes / 2**30}
+            "cache_allocated_gib": eng.stats.allocated_bytes / 2**30,
+            "graphs": step.status if step is not None else "off"}
 
 
 def main(argv=None) -> int:
@@ -112,6 +235,7 @@ def main(argv=None) -> int:
     ap.add_argument("--step-seconds", type=float, default=40.0, help="Decode time per variant at most.")
     ap.add_argument("--shape", choices=["r1-qwen-7b", "tiny"], default="r1-qwen-7b",
                     help="tiny: a 2-layer model of the same family (a CPU smoke run of the script).")
+    ap.add_argument("--no-graphs", action="store_true", help="Decode eagerly (no CUDA graph of the static step).")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -136,7 +260,8 @@ def main(argv=None) -> int:
         for bs in args.batch_sizes.split(","):
             S = largest_batch(model, device, per_seq, args.max_batch) if bs == "max" else int(bs)
             try:
-                row = measure(model, policy, S, args.prompt, args.new_tokens, args.step_seconds, device)
+                row = measure(model, policy, S, args.prompt, args.new_tokens, args.step_seconds, device,
+                              graphs=not args.no_graphs)
             except torch.OutOfMemoryError:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -112,7 +112,9 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
 @click.option("--batch-size", type=int, default=None, callback=_bounded("--batch-size", 1, 65536),
-              help="Sequences decoded together (continuous batching). Default: chosen for the device and budget, printed.")
+              help="Sequences decoded together, the slot count of every decode step (continuous batching; recorded, "
+                   "and a resume keeps it). Default: as many as the caches fit in half the memory available "
+                   "(at most 64 on a CPU, 256 on CUDA), printed.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--shard", "shard_text", default=None, metavar="I/N|auto",
               help="Generate only shard I of N of the (problem, sample) pairs, into records.shard-I-of-N.jsonl; "

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from retention.runtime.policy import RetentionPolicy
+from retention.runtime import syncs
 
 MAX_NOTES = 3  # violations quoted per check
 
@@ -250,6 +251,8 @@ class CheckedPolicy(RetentionPolicy):
         meters = [meter] if not isinstance(meter, list) else meter
         for r in range(cache.rows):
             m = meters[r] if r < len(meters) else meters[0]
+            if m is None:  # a padding row of the static step: no sequence to check
+                continue
             width = cache.widths[r]
             # Stored tokens per (layer, KV head), recounted from the positions (-1: hole or free).
             heads = torch.stack([(ly.pbuf[r, :, :width] >= 0).sum(-1) for ly in cache.layers])  # [L, G]
@@ -270,7 +273,10 @@ class CheckedPolicy(RetentionPolicy):
         if cache.stored_bytes() != per_token * sum(cache.lengths) or cache.stored_bytes() > cache.allocated_bytes():
             self.violations.append(f"stored bytes {cache.stored_bytes()} are not {sum(cache.lengths)} tokens' worth")
         for r in range(cache.rows):  # the state's meter figure equals its recount from the buffers
-            kpt = (meters[r] if r < len(meters) else meters[0]).kib_per_token
+            m = meters[r] if r < len(meters) else meters[0]
+            if m is None:
+                continue
+            kpt = m.kib_per_token
             with probe._in("compaction"):
                 metered = self.state.row_kib(cache, r, kpt)
                 recount = self.state.stored_kib(cache, r, kpt)
@@ -296,27 +302,11 @@ def _view_tensors(view) -> dict[str, torch.Tensor]:
     return out
 
 
-# Tensor methods that read a device value on the host (on a GPU each waits for the device).
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-
-
 @contextlib.contextmanager
 def count_host_reads(probe: Probe):
-    """Count calls of HOST_READS while active: {"observe": n, "compaction": n, "setup": n, "engine": n}
-    by which scorer hook (if any) was running ("setup": attach, reset, reset_slot)."""
-    counts = {"observe": 0, "compaction": 0, "setup": 0, "engine": 0}
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
-
-    def wrap(fn):
-        def counted(self, *a, **kw):
-            counts[probe.phase or "engine"] += 1
-            return fn(self, *a, **kw)
-        return counted
-
-    for name, fn in saved.items():
-        setattr(torch.Tensor, name, wrap(fn))
-    try:
+    """Count host reads (`retention.runtime.syncs.HOST_READS`) while active: {"observe": n,
+    "compaction": n, "setup": n, "engine": n} by which scorer hook (if any) was running ("setup":
+    attach, reset, reset_slot)."""
+    with syncs.count_host_reads(lambda: probe.phase or "engine") as counts:
+        counts.update({"observe": 0, "compaction": 0, "setup": 0, "engine": 0})
         yield counts
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)

@@ -11,8 +11,10 @@ comparable token for token.
   tokens after every step, no scoring: the ceiling of any retention policy). All variants of one
   (context, batch size) run in lockstep, one decode step of each in turn, so machine noise hits all
   alike. One row per (variant, accounting, batch size, context): aggregate decode tokens/s, median
-  step time, compaction share of the step time, measured mean/peak cache, and the cache bytes
-  allocated and stored per sequence.
+  step time, compaction share of the step time, measured mean/peak cache, the cache bytes
+  allocated and stored per sequence, and the host synchronisations per decode step (every host read
+  of a tensor during the variant's timed steps, compactions included, counted by
+  `retention.runtime.syncs.count_host_reads`).
 * agreement: per scorer, on `problems` dev problems (`agreement_tokens` each, EOS ignored), the number
   of output tokens identical to the `full` run before the first divergence.
 """
@@ -26,6 +28,7 @@ import torch
 
 from retention.runs.arms import validate_arm
 from retention.runs.scorer_options import scorer_fields
+from retention.runtime.syncs import count_host_reads
 from retention.scorers import get_scorer_class
 
 DYNAMIC = "dynamic-cache"
@@ -85,7 +88,7 @@ class _EngineStepper:
 
     @property
     def done(self):
-        return not self.engine.rows
+        return self.engine.done
 
     def figures(self, S):
         g = dict(self.gens)[0]
@@ -174,16 +177,19 @@ def speed_rows(loaded, prompt: list[int], variants: list[str], budget: int, new_
             for acc in accountings:
                 steppers.append(_EngineStepper(loaded, prompt, v, budget, interval, acc, params, batch_size, new_tokens))
     times = [[] for _ in steppers]
-    with torch.inference_mode():
+    running = [None]  # the index of the stepper whose decode step is running (None: set-up)
+    with torch.inference_mode(), count_host_reads(lambda: running[0]) as reads:
         for s in steppers:
             s.prefill()
         for _ in range(new_tokens - 1):  # the first token comes from the prefill
-            for s, ts in zip(steppers, times):
+            for i, (s, ts) in enumerate(zip(steppers, times)):
                 t0 = _now(loaded.device)
+                running[0] = i
                 s.step()
+                running[0] = None
                 ts.append(_now(loaded.device) - t0)
     rows = []
-    for s, ts in zip(steppers, times):
+    for i, (s, ts) in enumerate(zip(steppers, times)):
         fig = s.figures(batch_size)
         total = sum(ts)
         rows.append({
@@ -191,6 +197,7 @@ def speed_rows(loaded, prompt: list[int], variants: list[str], budget: int, new_
             "context": context, "prompt_tokens": len(prompt), "steps": len(ts),
             "tokens_per_second": batch_size * len(ts) / total,
             "step_ms_median": _median_ms(ts), "decode_step_ms_median": _median_ms(ts),
+            "host_syncs_per_step": reads[i] / len(ts) if ts else 0.0,
             "compaction_share": fig.pop("compaction_seconds") / total, **fig,
         })
     return rows
@@ -230,7 +237,7 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
                      f"{row['tokens_per_second']:8.2f} tok/s, step {row['step_ms_median']:.1f} ms, "
                      f"compaction {'-' if comp is None else f'{comp:.1f} ms'} x{row['compactions']} "
                      f"({100 * row['compaction_share']:.1f}% of steps), mean cache {row['cache_mean_tokens']:.1f} "
-                     f"peak {row['cache_peak_tokens']}, KiB/seq allocated "
+                     f"peak {row['cache_peak_tokens']}, host syncs/step {row['host_syncs_per_step']:.2f}, KiB/seq allocated "
                      f"{row['allocated_bytes_per_sequence'] / 1024:.0f} stored {row['stored_bytes_per_sequence'] / 1024:.0f}")
     if agreement_problems:
         greedy = SamplingConfig(max_new_tokens=agreement_tokens or new_tokens, temperature=0.0, ignore_eos=True)

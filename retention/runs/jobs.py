@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import sys
-
 from protocol.errors import ProtocolError
 from retention.errors import RetentionError
 from retention.runs.arms import _ARM_KEYS, validate_arm
@@ -41,9 +39,9 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     shard: a `retention.runs.scale.shard.Shard` to generate only its pairs (None: all); engine: "hf" (this
     project's `retention.runtime.engine`: a DeepSeek-V2/V3 checkpoint always decodes there on the reference
     MLA, `retention.models.arch.deepseek`) or an external engine of `retention.runs.engines` (non-evicting arms only).
-    batch_size: sequences decoded together; None chooses one for the device and budget (printed).
-    It is not part of the configuration hash: records do not depend on it (batch invariance), so a
-    run resumes at any batch size; each record notes the batch size it was decoded in.
+    batch_size: sequences decoded together (the static step's slot count); None chooses one for the
+    device's memory and the budget (printed). It is not part of the configuration hash; the run
+    directory and each record note it, and a run resumes at its recorded count (`retention.runs.slots`).
     dataset: math500 (dev or confirm split) or an AIME set, which has no dev split: a dev run explores
     its whole set, and that is recorded in the exploration registry (`protocol.exploration`).
     The model's prompt style goes into each configuration as `prompt` unless it is "chat".
@@ -52,7 +50,7 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     from protocol.splits import run_problems
     from retention.runs.scale.merge import open_shard_run
     from retention.models import load_model
-    from retention.runs.runner import Arm, auto_batch_size, run_arms
+    from retention.runs.runner import Arm, run_arms
 
     if problems is None:
         problems = run_problems(split, dataset, data_path=data_path, splits_dir=splits_dir)
@@ -91,11 +89,12 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         raise
     if explores:
         _record_exploration(dataset, problems, [a.run.hash for a in arms])
-    if batch_size is None:
-        batch_size = min(auto_batch_size(loaded, a.spec.cadence, sampling["max_new_tokens"]) for a in arms)
-        print(f"batch size {batch_size} (automatic for {loaded.device}; set it with --batch-size)", file=sys.stderr)
-    run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
-             grade=grade, progress=progress, shard=shard, batch_size=batch_size, trace=trace)
+    try:
+        run_arms(loaded, arms, problems, samples=samples, base_seed=seed, sampling=sampling, fidelity=fidelity,
+                 grade=grade, progress=progress, shard=shard, batch_size=batch_size, trace=trace)
+    finally:  # however the run ends (a refused slot count included), its directories are free again
+        for arm in arms:
+            arm.run.close()
     return [a.run.path for a in arms]
 
 

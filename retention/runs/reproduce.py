@@ -4,7 +4,9 @@
 configuration in `config.json` is rebuilt through `validate_arm` (the same path `run` takes) and must
 hash to the recorded `config_hash`, the model must load with the recorded revision (weights digest or
 hub commit), and each chosen record is decoded again with its own seed at the slot count
-(`batch_size`) it was decoded at. Nothing is written into the run directory.
+(`slots`; older records: `batch_size`) it was decoded at, in rows sized by the run's longest prompt
+as the run's were (`retention.runtime.engine`: the static step), so that a bfloat16 record is
+reproduced token for token whichever records are chosen. Nothing is written into the run directory.
 """
 
 from __future__ import annotations
@@ -124,20 +126,21 @@ def rebuild_arm(meta: dict, stats: str | None = None):
     return spec
 
 
-def _problems(config: dict, splits_dir) -> dict:
+def _problems(config: dict, splits_dir) -> list:
+    """The run's problems, in its order (its `limit` applied)."""
     from protocol.splits import run_problems
 
     problems = run_problems(config.get("split", "dev"), config.get("dataset", "math500"),
                             data_path=config.get("data"), splits_dir=splits_dir)
-    return {p.unique_id: p for p in problems}
+    return problems[: config["limit"]] if config.get("limit") else problems
 
 
 def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = None,
               splits_dir=None) -> Reproduction:
     """Decode the first `limit` records of `run_dir` (all when None) again and compare their tokens."""
-    from retention.models import format_prompt, load_model
+    from retention.models import load_model
     from retention.models.arch.deepseek import on_reference_mla
-    from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed
+    from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed, run_prompts
     from retention.runtime.engine import Request, SamplingConfig, run_engine
 
     current_code = code_version()  # now: the code imported is the code of the start, not of the end
@@ -155,7 +158,8 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
     if not records:
         raise RetentionError(f"{records_path} holds no record to reproduce")
     spec = rebuild_arm(meta, stats)
-    problems = _problems(config, splits_dir)
+    listed = _problems(config, splits_dir)
+    problems = {p.unique_id: p for p in listed}
     missing = [r["problem_id"] for r in records if r.get("problem_id") not in problems]
     if missing:
         raise RetentionError(f"problem(s) {missing[:3]} of the records are not in the run's split")
@@ -168,8 +172,10 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
                               top_p=config["top_p"], ignore_eos=bool(config.get("ignore_eos", False)))
     got: dict[tuple[str, int], list[int]] = {}
     by_slots: dict[int, list[dict]] = {}
+    prompts = run_prompts(loaded, listed)  # the run's longest prompt sized its rows: size them alike
+    longest = max(map(len, prompts.values()), default=0)
     for r in records:  # each record at the slot count it was decoded at
-        by_slots.setdefault(int(r.get("batch_size") or 1), []).append(r)
+        by_slots.setdefault(int(r.get("slots") or r.get("batch_size") or 1), []).append(r)
     for slots, group in by_slots.items():
         reqs = []
         for r in group:
@@ -178,8 +184,7 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
             if seed != r.get("seed"):
                 raise RetentionError(f"{p.unique_id} sample {r['sample']}: recorded seed {r.get('seed')} is not "
                                      f"the seed its configuration derives ({seed})")
-            reqs.append(Request((p.unique_id, r["sample"]), format_prompt(loaded.tokenizer, p.problem, loaded.prompt),
-                                seed))
+            reqs.append(Request((p.unique_id, r["sample"]), prompts[p.unique_id], seed))
         policy = spec.policy()  # all five mechanisms, as the run built them
         policy.prepare(loaded.tokenizer)
 
@@ -187,7 +192,8 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
             got[req.key] = list(g.token_ids)
 
         run_engine(loaded.model, reqs, policy, sampling, _eos_ids(loaded), loaded.geometry.kib_per_token,
-                   batch_size=slots, fidelity=bool(config.get("fidelity", False)), on_finish=on_finish)
+                   batch_size=slots, fidelity=bool(config.get("fidelity", False)), on_finish=on_finish,
+                   max_prompt=longest)
     checks = [RecordCheck(r["problem_id"], r["sample"], tuple(r["output_token_ids"]),
                           tuple(got[(r["problem_id"], r["sample"])])) for r in records]
     return Reproduction(run_dir, meta["config_hash"], loaded.revision, str(meta.get("code_version")),

@@ -6,8 +6,8 @@ line also holds what the cache held, `retention.runtime.trace`). The run id ends
 the configuration hash, so rerunning the same command finds the same directory and resumes:
 finished records are skipped, a half-written last line is discarded, nothing is duplicated.
 
-Several arms (e.g. `alpha` vs `triattention`) run interleaved over the same problems with the same
-seed per (problem, sample), so an interrupted comparison stays paired.
+Several arms (e.g. `alpha` vs `triattention`) run over the same problems with the same seed per
+(problem, sample), one after the other; a comparison interrupted between them resumes where it stopped.
 
 (Over 400 lines: the run directory, its record store and the loop that fills them share one
 write-order and resume invariant, kept in one place.)
@@ -16,9 +16,9 @@ write-order and resume invariant, kept in one place.)
 from __future__ import annotations
 
 import hashlib
-import itertools
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,31 +287,10 @@ class Arm:
     spec: ArmSpec
 
 
-# Pairs per arm and chunk, in units of the batch size: arms alternate chunk by chunk, so an
-# interrupted comparison is at most one chunk apart, while each chunk keeps the batch full.
-CHUNK_BATCHES = 4
-
-
-def auto_batch_size(loaded, cadence, max_new_tokens: int, prompt_tokens: int = 512) -> int:
-    """A batch size for the device and the budget: on CUDA as many slots as fit in half the free
-    memory (cache of `b + N` per slot for an evicting policy, prompt + new tokens for `full`, both
-    caches with fidelity counted by the caller's choice), at most 256; on CPU 16 (bounded caches)
-    or 4 (`full`), where larger batches gain little on two cores."""
-    import torch
-
-    per_slot = cadence.nominal + cadence.interval if cadence.evicts else prompt_tokens + max_new_tokens
-    dev = torch.device(loaded.device)
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        fit = int(0.5 * free / (per_slot * loaded.geometry.kib_per_token * 1024))
-        return max(1, min(256, fit))
-    return 16 if cadence.evicts else 4
-
-
 def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, prompt_tokens: int,
                 token_ids: list[int], text: str, finish_reason: str, meter, cadence, wall_seconds: float,
                 batch_size: int, gold, grader=None, fidelity=None, problem: str | None = None,
-                trace=None) -> dict:
+                trace=None, slots: int | None = None) -> dict:
     """One record of the schema in docs/records.md; every engine writes its records through this.
     trace: the sequence's `CacheTrace` in a traced run (its prompt summary joins the record)."""
     record = {
@@ -332,6 +311,8 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
         "batch_size": batch_size,
         "gold": gold,
     }
+    if slots is not None:  # this project's engine: the static step's slot count (retention.runs.slots)
+        record["slots"] = slots
     if fidelity is not None:
         record["fidelity"] = fidelity.summary()
     if trace is not None:
@@ -344,25 +325,36 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
     return record
 
 
-def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, batch_size: int) -> dict:
+def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, slots: int) -> dict:
     from retention.models import output_text
 
     return make_record(config_hash=arm.run.hash, problem_id=p.unique_id, sample=s, seed=seed,
                        prompt_tokens=len(prompt), token_ids=g.token_ids,
                        text=output_text(tok, prompt, g.token_ids), finish_reason=g.finish_reason,
-                       meter=g.meter, cadence=arm.spec.cadence, wall_seconds=g.wall_seconds, batch_size=batch_size,
+                       meter=g.meter, cadence=arm.spec.cadence, wall_seconds=g.wall_seconds, batch_size=slots,
                        gold=getattr(p, "answer", None), grader=grader, fidelity=g.fidelity,
-                       problem=getattr(p, "problem", None), trace=g.trace)
+                       problem=getattr(p, "problem", None), trace=g.trace, slots=slots)
+
+
+def run_prompts(loaded, problems) -> dict[str, list[int]]:
+    """The prompt token ids of every problem of a run, by problem id (the longest sizes the rows)."""
+    from retention.models import format_prompt
+
+    style = getattr(loaded, "prompt", "chat")
+    return {p.unique_id: format_prompt(loaded.tokenizer, p.problem, style) for p in problems}
 
 
 def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
-             fidelity: bool = False, grade: bool = True, progress: bool = True, batch_size: int = 1,
+             fidelity: bool = False, grade: bool = True, progress: bool = True, batch_size: int | None = 1,
              shard=None, trace: bool = False) -> None:
     """Generate every missing (problem, sample) record of every arm, `batch_size` sequences at a time.
 
-    Each arm decodes the same pairs with the same seed per (problem, sample); arms alternate chunk by
-    chunk (`CHUNK_BATCHES * batch_size` pairs). Each record is written as soon as its sequence ends,
-    so a killed run loses only the sequences in flight.
+    Each arm decodes the same pairs with the same seed per (problem, sample), one arm after the
+    other; an arm's slots refill from all of its pending pairs, so it ends in one tail (its last
+    answers decoding beside padding rows), not one per chunk. Each record is written as soon as its
+    sequence ends, so a killed run loses only the sequences in flight, and a rerun resumes each arm.
+    batch_size: the slot count (`retention.runs.slots`: recorded in the run directory, matched on
+    resume); None chooses one for the device's memory and says so.
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
     `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
     `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them). trace: record
@@ -370,10 +362,10 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     """
     from tqdm import tqdm
 
+    from retention.runs.scale.shard import shard_pairs
+    from retention.runs.slots import auto_batch_size, resolve_slots
     from retention.runtime.engine import Request, SamplingConfig, run_engine
     from retention.runtime.trace import CacheTracer
-    from retention.models import format_prompt
-    from retention.scorers import is_builtin
 
     mixed = [a.run.path for a in arms if a.run.trace != trace]
     if mixed:  # a traced directory takes only traced records, and the other way round
@@ -385,55 +377,53 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token
-    from retention.runs.scale.shard import shard_pairs
-
-    # Pairs are drawn lazily, one chunk at a time: nothing is allocated per sample.
-    pairs = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard))
+    prompts = run_prompts(loaded, problems)  # all of them, in every shard: the longest sizes the rows
+    longest = max(map(len, prompts.values()), default=0)
+    explicit = batch_size is not None
+    if batch_size is None:
+        choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], sampling["max_new_tokens"], longest, fidelity)
+        print(choice.why, file=sys.stderr)
+        batch_size = choice.slots
+    slots = resolve_slots(arms, batch_size, len(problems) * samples, explicit)
     total, missing = count_pending(arms, problems, samples, shard)
     bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="seq", dynamic_ncols=True)
-    prompts: dict[str, list[int]] = {}
     cfg = SamplingConfig(**sampling)
-    chunk = max(1, CHUNK_BATCHES * batch_size)
-    while block := list(itertools.islice(pairs, chunk)):
-        for arm in arms:
-            todo = [(p, s) for p, s in block if not arm.run.records.has(p.unique_id, s)]
-            if not todo:
-                continue
-            reqs = []
-            for p, s in todo:
-                prompt = prompts.setdefault(p.unique_id, format_prompt(tok, p.problem, getattr(loaded, "prompt", "chat")))
-                reqs.append(Request((p, s), prompt, derive_seed(base_seed, p.unique_id, s)))
+    for arm, S in zip(arms, slots):
+        # Pairs are drawn lazily as slots free: nothing is allocated per sample.
+        pending = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)
+                   if not arm.run.records.has(problems[i].unique_id, s))
+        reqs = (Request((p, s), prompts[p.unique_id], derive_seed(base_seed, p.unique_id, s)) for p, s in pending)
 
-            def on_finish(req, g, _arm=arm):
-                p, s = req.key
-                record = _record(_arm, p, s, req.seed, req.prompt_ids, g, tok, grader, batch_size)
-                steps, tokens = g.meter.trace()
-                cache = None if g.trace is None else g.trace.to_json()
-                _arm.run.append_trace(p.unique_id, s, steps, tokens, cache)
-                _arm.run.records.append(record)
-                bar.update(1)
+        def on_finish(req, g, _arm=arm, _S=S):
+            p, s = req.key
+            record = _record(_arm, p, s, req.seed, req.prompt_ids, g, tok, grader, _S)
+            steps, tokens = g.meter.trace()
+            cache = None if g.trace is None else g.trace.to_json()
+            _arm.run.append_trace(p.unique_id, s, steps, tokens, cache)
+            _arm.run.records.append(record)
+            bar.update(1)
 
-            def on_step(st, _arm=arm):
-                if st.steps % 8 == 0:
-                    bar.set_postfix_str(f"{_arm.spec.name} {st.tokens_per_second:.1f} tok/s, {st.busy} slots busy",
-                                        refresh=False)
-                    bar.refresh()
+        def on_step(st, _arm=arm):
+            if st.steps % 8 == 0:
+                bar.set_postfix_str(f"{_arm.spec.name} {st.tokens_per_second:.1f} tok/s, {st.busy} slots busy",
+                                    refresh=False)
+                bar.refresh()
 
-            policy = arm.spec.policy()
-            if trace:
-                policy.tracer = CacheTracer()
-            policy.prepare(tok)
-            try:
-                run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=batch_size, fidelity=fidelity,
-                           on_finish=on_finish, on_step=on_step if progress else None)
-            except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
-                plugins = arm.spec.plugins()
-                if not plugins:
-                    raise
-                named = " or ".join(f"{p.partition(':')[0]} plugin {p.partition(':')[2]!r}" for p in plugins)
-                raise RetentionError(f"{named} raised during decoding ({type(exc).__name__}: "
-                                     f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
-                                     "to resume") from exc
+        policy = arm.spec.policy()
+        if trace:
+            policy.tracer = CacheTracer()
+        policy.prepare(tok)
+        try:
+            run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=S, fidelity=fidelity, max_prompt=longest,
+                       on_finish=on_finish, on_step=on_step if progress else None)
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
+            plugins = arm.spec.plugins()
+            if not plugins:
+                raise
+            named = " or ".join(f"{p.partition(':')[0]} plugin {p.partition(':')[2]!r}" for p in plugins)
+            raise RetentionError(f"{named} raised during decoding ({type(exc).__name__}: "
+                                 f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
+                                 "to resume") from exc
     bar.close()
 
 

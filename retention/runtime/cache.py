@@ -35,7 +35,10 @@ passes the one 4-D mask object to every layer unchanged; the model's code is sti
 Layout models (latent and shared stores) are never ragged (refused by the routing).
 
 What the model attends to: `layer.keys` / `layer.values` (a layout model: `read(store)`) are views
-`[S, G, w, d]` of the buffers with `w` the largest stored length; entries of a row past its own
+`[S, G, w, d]` of the buffers with `w` the largest stored length (a static cache, `empty_like(static=True)`:
+`w` is the capacity, or above `WIDTH_BLOCK` the longest row rounded up to a multiple of it, so that no
+row's arithmetic depends on its neighbours' lengths: the attention kernels reduce over fixed blocks of
+keys, and a block of padding only adds exact zeros); entries of a row past its own
 length are padding, masked by the 4-D additive mask `attention_mask()` (a layout model: by the
 position `PAD` that `layer_positions` reports for them) (None when every row has the same length, so that a single
 sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
@@ -58,6 +61,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 PAD = 2**62  # the position padding reads as on a layout model (`layer_positions`): after every query
+# A static cache's views grow in blocks of this many tokens once its capacity exceeds it (a multiple of
+# it: `static_capacity`). The CPU flash-attention kernel reduces over blocks of 512 keys once there are
+# at least 512 (GPU kernels over divisors of it); below that, over the whole width.
+WIDTH_BLOCK = 512
+
+
+def static_capacity(tokens: int) -> int:
+    """The capacity of a static cache that must hold `tokens` per row: above `WIDTH_BLOCK`, rounded
+    up to a multiple of it (so that every view width is)."""
+    return tokens if tokens <= WIDTH_BLOCK else -(-tokens // WIDTH_BLOCK) * WIDTH_BLOCK
 
 
 @dataclass(frozen=True)
@@ -82,6 +95,7 @@ class RetentionLayer(DynamicLayer):
         self.pbuf = None
         self.positions: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
+        self.static = False  # views of a width that does not depend on other rows (`view_width`)
 
     @property
     def kbuf(self):
@@ -103,7 +117,16 @@ class RetentionLayer(DynamicLayer):
         self.stores, self.extra = {}, {}
         self.is_initialized = True
 
+    def view_width(self, longest: int) -> int:
+        """The width of the views when the longest row holds `longest` tokens: that, or in a static
+        cache the capacity (at most `WIDTH_BLOCK`) or `longest` rounded up to a multiple of `WIDTH_BLOCK`."""
+        if not self.static:
+            return longest
+        cap = self.capacity
+        return cap if cap <= WIDTH_BLOCK else min(cap, max(1, -(-longest // WIDTH_BLOCK)) * WIDTH_BLOCK)
+
     def set_width(self, w: int) -> None:
+        w = self.view_width(w)
         self.positions = self.pbuf[:, :, :w]
         if "k" in self.stores:
             self.keys, self.values = self.stores["k"][:, :, :w], self.stores["v"][:, :, :w]
@@ -224,6 +247,7 @@ class RetentionCache(Cache):
         self.prompt_lengths: list[int] = []  # prompt tokens of each row's sequence (the prompt rule)
         self._step_positions: torch.Tensor | None = None
         self._write_at: list[int] = []
+        self._write_idx: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, indices) of a scattered write
         # Layout models only (`for_layout`): the layout, its eviction groups, and per step the
         # attention each group's stored tokens received (`collect_attention`), padded positions.
         self.layout = None
@@ -312,9 +336,12 @@ class RetentionCache(Cache):
             self._ensure(key_states, value_states, max(self.widths, default=0) + q)
             if key_states.shape[0] != self.rows:
                 raise RuntimeError(f"forward of {key_states.shape[0]} rows on a cache of {self.rows}")
-            self._write_at = self.widths
-            if self.ragged and (self._mask is None or self._mask.shape[-1] != max(self._write_at) + q):
+            self._write_at = at = self.widths
+            if self.ragged and (self._mask is None or self._mask.shape[-1] != self.layers[0].view_width(max(at) + q)):
                 raise RuntimeError("a ragged cache needs its attention_mask() for every forward")
+            if any(a != at[0] for a in at):  # rows at different widths: their write indices, once per forward
+                dev = self.layers[0].pbuf.device
+                self._write_idx = (torch.arange(self.rows, device=dev), torch.tensor(at, device=dev))
         layer = self.layers[layer_idx]
         pos = self._step_positions.to(layer.pbuf.device)[:, None, :].expand(-1, key_states.shape[1], -1)
         at = self._write_at
@@ -326,8 +353,7 @@ class RetentionCache(Cache):
         else:  # rows at different lengths (decode, q = 1): scatter each row's token at its own index
             if q != 1:
                 raise RuntimeError("a multi-token forward needs every row at the same stored length")
-            r = torch.arange(self.rows, device=layer.pbuf.device)
-            idx = torch.tensor(at, device=layer.pbuf.device)
+            r, idx = self._write_idx  # built once per forward (layer 0)
             layer.stores["k"][r, :, idx] = key_states[:, :, 0]
             layer.stores["v"][r, :, idx] = value_states[:, :, 0]
             layer.pbuf[r, :, idx] = pos[:, :, 0]
@@ -371,9 +397,9 @@ class RetentionCache(Cache):
             raise RuntimeError(f"forward of {R} rows on a cache of {self.rows}")
         at = self._write_at = list(self.lengths)
         self.lengths = [a + q for a in at]
-        w = max(self.lengths)
+        w = first.view_width(max(self.lengths))
         pos = position_ids[:, None, :].expand(-1, self.layout.kv_heads, -1)
-        valid = None if all(n == w for n in self.lengths) else self.valid_mask()[:, None, :]
+        valid = None if all(n == w for n in self.lengths) else self._valid(w)[:, None, :]
         self._layer_pos = []
         for layer in self.layers:
             self._write(layer.pbuf, pos, at)
@@ -430,31 +456,35 @@ class RetentionCache(Cache):
         and on a layout model (its modules mask padding by position). A ragged cache: `[S, Hq, 1, w]`
         (`query_heads` = Hq), filled per layer by `update` (module doc)."""
         new = [n + q for n in self.widths]
+        first = self.layers[0]
+        static = first.pbuf is not None and first.static
         if self.ragged:
             if q != 1:
                 raise RuntimeError("ragged rows are decoded one token at a time")
-            dev = self.layers[0].pbuf.device
+            dev = first.pbuf.device
             self._mask_widths = torch.tensor(new, device=dev)
-            self._mask = torch.zeros(len(new), query_heads, 1, max(new), dtype=dtype, device=dev)
+            self._mask = torch.zeros(len(new), query_heads, 1, first.view_width(max(new)), dtype=dtype, device=dev)
             return self._mask
-        if self.is_layout or all(n == new[0] for n in new):
+        if self.is_layout or (not static and all(n == new[0] for n in new)):
             return None
         if q != 1:
             raise RuntimeError("padded rows are decoded one token at a time")
-        dev = self.layers[0].pbuf.device
-        w = max(new)
+        dev = first.pbuf.device
+        w = first.view_width(max(new))
         valid = torch.arange(w, device=dev)[None, :] < torch.tensor(new, device=dev)[:, None]
         mask = torch.zeros(len(new), 1, 1, w, dtype=dtype, device=dev)
         return mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
 
     # -- reading ---------------------------------------------------------------------------------
     def valid_mask(self) -> torch.Tensor:
-        """`[S, w]` bool: entry `j` of row `r` is within its width (`j < widths[r]`; a ragged row's
-        holes are within it: `layer_valid`)."""
+        """`[S, w]` bool over the views' width: entry `j` of row `r` is within its width (`j < widths[r]`;
+        a ragged row's holes are within it: `layer_valid`)."""
+        first = self.layers[0]
+        return self._valid(first.view_width(max(self.widths, default=0)))
+
+    def _valid(self, w: int) -> torch.Tensor:
         dev = self.layers[0].pbuf.device
-        widths = self.widths
-        w = max(widths, default=0)
-        return torch.arange(w, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
+        return torch.arange(w, device=dev)[None, :] < torch.tensor(self.widths, device=dev)[:, None]
 
     def layer_valid(self, layer: int) -> torch.Tensor:
         """`[S, G, w]` bool: entry `j` of head `g` of row `r` of `layer` holds a stored token."""
@@ -644,16 +674,22 @@ class RetentionCache(Cache):
         for layer in self.layers:
             layer.set_width(w)
 
+    def release_row(self, row: int) -> None:
+        """`row` holds no sequence now (a padding row of a static step): nothing stored in it."""
+        self.lengths[row], self.holes[row] = 0, 0
+
     @classmethod
-    def empty_like(cls, other: RetentionCache, rows: int, capacity: int) -> RetentionCache:
+    def empty_like(cls, other: RetentionCache, rows: int, capacity: int, static: bool = False) -> RetentionCache:
         """A cache of `rows` empty rows with `other`'s geometry (layout, stores), `capacity` tokens
-        preallocated."""
+        preallocated; `static`: the views' width never depends on which rows are long
+        (`RetentionLayer.view_width`; padding masked): the engine's static decode step."""
         c = cls.for_layout(other.layout, capacity) if other.is_layout else cls(len(other.layers), capacity)
         c.collect_attention = other.collect_attention
         for layer, ol in zip(c.layers, other.layers):
             layer.allocate_positions(rows, ol.pbuf.shape[1], capacity, ol.pbuf.device)
             layer.stores = {name: torch.zeros(rows, b.shape[1], capacity, *b.shape[3:], dtype=b.dtype, device=b.device)
                             for name, b in ol.stores.items()}
+            layer.static = static
             layer.set_width(0)
         c.lengths, c.holes, c.slots, c.prompt_lengths = [0] * rows, [0] * rows, list(range(rows)), [0] * rows
         return c

@@ -3,84 +3,57 @@ reference layout models (`retention.models.arch`, DeepSeek checkpoints on the re
 model adapter (`retention.runtime.adapter`) is all that differs (the step forward, the cache, what it provides).
 
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
-rows. A queue of requests (one per (problem, sample)) feeds the slots: a request's prompt is prefilled
-alone (batch 1, in a cache of its own, compacted by the policy as a single sequence would be), then
-its stored tokens are copied into a free row of the batch. A slot whose sequence ends (EOS or length)
-hands its `Generation` to `on_finish` at once and takes the next request; when the queue is empty the
-finished rows are dropped from the batch.
+rows; row `r` is slot `r`. A queue of requests (one per (problem, sample), drawn lazily) feeds the
+slots: a request's prompt is prefilled alone (batch 1, in a cache of its own, compacted by the policy
+as a single sequence would be), then its stored tokens are copied into its slot's row. A slot whose
+sequence ends (EOS or length) hands its `Generation` to `on_finish` at once and takes the next
+request; when the queue is empty it stays in the batch as a padding row (one stored token, its
+output discarded, never compacted, no meter), so every decode step of a run has `S` rows.
+
+The static step (`S > 1`): every decode forward runs on all `S` rows over a static cache
+(`RetentionCache.empty_like(static=True)`: views as wide as the capacity, or above 512 tokens as the
+longest row rounded up to a multiple of 512, padding masked), with the token ids and positions in
+`[S, 1]` buffers updated in place. No row's arithmetic then depends on who shares the batch: in
+bfloat16 too, where the kernels round differently for each row count and each attended width, a
+record depends on the slot count (and the capacity, fixed per run by the longest prompt it will see,
+`max_prompt`) and on nothing else.
 
 Why the output of a sequence does not depend on its neighbours: the prefill runs alone; every decode
-step attends within its own row (padding masked); the cadence and the scorer's state are per row;
-sampling uses one `torch.Generator` per slot, seeded from the request's own seed when it starts.
-With `S = 1` this is the single-sequence loop of `retention.runtime.generate.generate`.
+step attends within its own row (padding masked) at a fixed width; the cadence and the scorer's state
+are per row; sampling uses one `torch.Generator` per slot, seeded from the request's own seed when it
+starts. With `S = 1` this is the single-sequence loop of `retention.runtime.generate.generate`, whose
+cache holds exactly what transformers' `DynamicCache` holds (no padding, no mask).
 
 With `fidelity=True` a second cache of the same rows holds the full (never compacted) cache and the
-same tokens are decoded through it too (batched as well); each step records KL(p_full || p_retained)
-and whether the top-1 tokens agree.
+same tokens are decoded through it too (batched and static as well); each step records
+KL(p_full || p_retained) and whether the top-1 tokens agree.
 
-Host synchronisation: one `tolist()` of the sampled tokens per step (the batched EOS and length check;
-with `fidelity` a second one for the KL figures); cache lengths and the cadence are tracked on the
-host, and step timings come from CUDA events on a GPU, so nothing else waits for the device in a
-decode step (a compaction step reads a few small tensors).
+Host synchronisation (counted in `EngineStats.host_syncs` and `start_syncs`): one read per decode
+step, the sampled tokens (the batched EOS and length check), with the fidelity figures in the same
+read; one per started sequence (its first token) and one more with fidelity (its prefill's figures).
+Sampling draws on the device (on a CPU, where a read waits for nothing, the nucleus adds one read per
+sampling call: `retention.runtime.sampling.host_reads`); cache lengths and the cadence are tracked on the host, and step timings come from CUDA
+events on a GPU, so nothing else waits for the device in a decode step (a compaction step reads a
+few small tensors).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from retention.runtime.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVIDES, ModelAdapter, cache_kwarg,  # noqa: F401
                                forward_step, provides)
-from retention.runtime.cache import RetentionCache
+from retention.runtime.cache import RetentionCache, static_capacity
+from retention.runtime.fidelity import Fidelity, step_agreement
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
+from retention.runtime.sampling import (SamplingConfig, host_reads, sample_next, sample_rows,  # noqa: F401
+                                        sample_tokens)
 from retention.runtime.trace import CacheTrace
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = 1024
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-    ignore_eos: bool = False
-
-
-@dataclass
-class Fidelity:
-    """Per-step agreement of the retained cache with the full cache along the same tokens."""
-
-    kl: list[float] = field(default_factory=list)
-    top1_agree: list[bool] = field(default_factory=list)
-
-    def add(self, ref_logits: torch.Tensor, logits: torch.Tensor) -> None:
-        """ref_logits, logits: `[V]` next-token logits (full cache, retained cache)."""
-        kl, agree = step_agreement(ref_logits[None], logits[None])
-        self.kl.append(kl[0])
-        self.top1_agree.append(agree[0])
-
-    def summary(self) -> dict:
-        n = len(self.kl)
-        first = next((i for i, a in enumerate(self.top1_agree) if not a), None)
-        return {
-            "kl_mean": sum(self.kl) / n if n else 0.0,
-            "kl_max": max(self.kl) if n else 0.0,
-            "top1_agreement": sum(self.top1_agree) / n if n else 1.0,
-            "first_divergence_step": first,
-            "steps": n,
-        }
-
-
-def step_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[list[float], list[bool]]:
-    """KL(p_ref || p) in float64 (clamped at 0) and top-1 agreement per row of `[R, V]` logits."""
-    p_log = torch.log_softmax(ref_logits.double(), -1)
-    q_log = torch.log_softmax(logits.double(), -1)
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1).clamp(min=0.0)
-    agree = ref_logits.argmax(-1) == logits.argmax(-1)
-    return kl.tolist(), agree.tolist()
 
 
 @dataclass
@@ -116,7 +89,11 @@ class EngineStats:
     decode_seconds: float = 0.0
     compaction_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    fidelity_seconds: float = 0.0  # the reference forward and the KL figures of the decode steps
     allocated_bytes: int = 0
+    host_syncs: int = 0  # deliberate host reads of decode steps (the docstring's one per step)
+    start_syncs: int = 0  # deliberate host reads of sequence starts (one per started sequence)
+    padding_rows: int = 0  # row-steps decoded for a padding row (what a run's tail costs)
     t_start: float = field(default_factory=time.perf_counter)
 
     @property
@@ -175,28 +152,6 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def sample_next(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
-    """Greedy when temperature is 0, else temperature + nucleus (top-p) sampling with `gen` (`[V]`)."""
-    if cfg.temperature <= 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / cfg.temperature, -1)
-    if cfg.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=gen))
-
-
-def sample_rows(logits: torch.Tensor, cfg: SamplingConfig, gens: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `[R, V]` logits: a batched argmax when greedy, else each row with its own
-    generator (so a row's draw never depends on the other rows)."""
-    if cfg.temperature <= 0:
-        return logits.argmax(-1).tolist()
-    return [sample_next(logits[r], cfg, g) for r, g in enumerate(gens)]
-
-
 def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens: int) -> int:
     """Tokens preallocated per row: `b + N` for an evicting policy (never exceeded: a row compacts
     when it reaches it; with `protect_prompt` the prompt comes on top), else prompt + new tokens."""
@@ -206,39 +161,64 @@ def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens
     return prompt_length + max_new_tokens
 
 
+def _full_copy(cache: RetentionCache, capacity: int) -> RetentionCache:
+    """A reference (never compacted) cache holding what single-row `cache` stores: its stores and
+    positions, not a scorer's per-token state."""
+    ref = RetentionCache.empty_like(cache, 1, capacity)
+    ref.load_row(0, cache)
+    for layer in ref.layers:
+        layer.extra = {}
+    ref.collect_attention = False
+    return ref
+
+
 class Engine:
     """The batched decode loop as an object: `fill()` starts up to `batch_size` requests, each `step()`
-    decodes one token in every busy slot (refilling finished ones), `done` when nothing is left.
+    decodes one token in every slot (refilling finished ones), `done` when nothing is left.
     `run_engine` drives it to the end; a benchmark can interleave several engines step by step.
-    The caller holds `torch.inference_mode()`; `step()` enters the scorer's `attach` context around
-    its own work only when `attach_per_step` (lockstep with other engines on the same model)."""
+    The caller holds `torch.inference_mode()` and the scorer's `attach` context.
 
-    def __init__(self, model, requests: Sequence[Request], policy: RetentionPolicy, sampling: SamplingConfig,
+    batch_size: the slot count `S` of every decode step, padding rows included (not clipped to the
+    number of requests: a record depends on it). max_prompt: the longest prompt the run will see,
+    which sizes the rows (None: the longest of `requests`, which are then read at once)."""
+
+    def __init__(self, model, requests: Iterable[Request], policy: RetentionPolicy, sampling: SamplingConfig,
                  eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                  keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
-                 on_token: Callable[[int, BudgetMeter], None] | None = None):
+                 on_token: Callable[[int, BudgetMeter], None] | None = None, max_prompt: int | None = None):
         self.model, self.policy, self.sampling, self.eos = model, policy, sampling, set(eos_token_ids)
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
         self.device = next(model.parameters()).device
         self.adapter = ModelAdapter(model)
         self.clock = _Clock(self.device)
-        self.queue = list(requests)[::-1]  # pop() from the end = first request first
-        self.S = max(1, min(batch_size, len(self.queue)))
+        if max_prompt is None:
+            requests = list(requests)
+            max_prompt = max((len(r.prompt_ids) for r in requests), default=0)
+        self.max_prompt = max_prompt
+        self._source = iter(requests)
+        self._next = next(self._source, None)
+        self.S = max(1, batch_size)
         self.stats = EngineStats(busy=self.S)
-        self.rows: list[SequenceState] = []
+        self.slots: list[SequenceState | None] = []  # the sequence of each slot (row); None: padding
         self.cache: RetentionCache | None = None
         self.ref: RetentionCache | None = None
         self.gens: list[torch.Generator | None] = [None] * self.S  # one per slot, reseeded per request
+        self._ids = self._pos = None  # [S, 1] int64: each row's next input token and its position
         policy.reset()
 
     @property
+    def rows(self) -> list[SequenceState]:
+        """The sequences in flight, in slot order."""
+        return [st for st in self.slots if st is not None]
+
+    @property
     def done(self) -> bool:
-        return not self.rows and not self.queue
+        return self._next is None and not self.rows
 
     def _start(self, slot: int):
         """Prefill the next request alone; returns its state, logits `[1, V]` and its caches."""
-        req = self.queue.pop()
+        req, self._next = self._next, next(self._source, None)
         dev, sampling, policy = self.device, self.sampling, self.policy
         t0 = _now(dev)
         P = len(req.prompt_ids)
@@ -247,7 +227,7 @@ class Engine:
             self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
         st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget,
                                             budget_kib=policy.budget_kib), self.gens[slot],
-                   Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None, slot=slot)
+                           Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None, slot=slot)
         tmp = self.adapter.new_cache(P, policy.scorer)
         tmp.slots, tmp.prompt_lengths = [slot], [P]
         ids = torch.tensor([req.prompt_ids], device=dev)
@@ -255,10 +235,10 @@ class Engine:
         lg = self.adapter.forward(ids, pos, tmp)
         st.meter.record_prefill(tmp.stored_lengths())
         tmp_ref = None
-        if self.fidelity:
-            tmp_ref = self.adapter.new_cache(P + sampling.max_new_tokens)
-            tmp_ref.slots, tmp_ref.prompt_lengths = [slot], [P]
-            st.fid.add(self.adapter.forward(ids, pos, tmp_ref)[0], lg[0])
+        if self.fidelity:  # the full cache of the prompt is what the prefill just stored: a copy, before
+            tmp_ref = _full_copy(tmp, P + sampling.max_new_tokens)  # any compaction (its forward is this one)
+            st.fid.add(lg[0], lg[0])
+            self.stats.start_syncs += 1
         t_c = _now(dev)
         self.stats.prefill_seconds += t_c - t0
         if policy.after_forward(tmp, P, st.meter, prefill=True):
@@ -286,118 +266,133 @@ class Engine:
 
     def _admit(self, slot: int):
         """Start requests on `slot` until one survives its first token (or the queue is empty)."""
-        while self.queue:
+        while self._next is not None:
             st, lg, tmp, tmp_ref = self._start(slot)
             tok = sample_rows(self.policy.decoding.adjust(lg, [slot], [st.out]), self.sampling, [self.gens[slot]])[0]
+            self.stats.start_syncs += 1 + host_reads(self.sampling, self.device, lg.shape[-1])
             if self._take(st, tok, lg[0]):
                 self._finish(st)
                 continue
             return st, tmp, tmp_ref
         return None
 
-    def fill(self) -> None:
-        """Start the first `batch_size` requests and build the batch caches (`b + N` per row for an
-        evicting policy; prompt + new tokens for `full`, grown by doubling for a longer prompt)."""
-        started = []
-        for slot in range(self.S):
-            got = self._admit(slot)
-            if got is None:
-                break
-            started.append(got)
-        if not started:
+    def _load(self, slot: int, got) -> None:
+        """Put a started sequence `(state, cache, reference cache)` into `slot`; None: padding."""
+        if got is None:
+            self.slots[slot] = None
             return
-        new = self.sampling.max_new_tokens
-        caps = [default_capacity(self.policy, len(st.req.prompt_ids), new) for st, _, _ in started]
-        self.cache = RetentionCache.empty_like(started[0][1], len(started), max(caps))
+        st, tmp, tmp_ref = got
+        self.cache.load_row(slot, tmp)
+        if self.ref is not None:
+            self.ref.load_row(slot, tmp_ref)
+        self.slots[slot] = st
+        self._ids[slot, 0] = st.out[-1]
+        self._pos[slot, 0] = len(st.req.prompt_ids) + len(st.out) - 1
+
+    def fill(self) -> None:
+        """Start the first `batch_size` requests and build the batch caches: `S` rows of
+        `default_capacity` at the run's longest prompt (`b + N` for an evicting policy; prompt + new
+        tokens for `full`), static when `S > 1`; slots left without a request are padding."""
+        started = [self._admit(slot) for slot in range(self.S)]
+        first = next((got for got in started if got is not None), None)
+        if first is None:
+            return
+        new, static = self.sampling.max_new_tokens, self.S > 1
+        size = static_capacity if static else int
+        cap = size(default_capacity(self.policy, self.max_prompt, new))
+        self.cache = RetentionCache.empty_like(first[1], self.S, cap, static=static)
         if self.fidelity:
-            longest = max(len(st.req.prompt_ids) for st, _, _ in started)
-            self.ref = RetentionCache.empty_like(started[0][2], len(started), longest + new)
+            self.ref = RetentionCache.empty_like(first[2], self.S, size(self.max_prompt + new), static=static)
             self.ref.collect_attention = False
-        for r, (st, tmp, tmp_ref) in enumerate(started):
-            self.cache.load_row(r, tmp)
-            if self.ref is not None:
-                self.ref.load_row(r, tmp_ref)
-            self.rows.append(st)
+        self._ids = torch.zeros(self.S, 1, dtype=torch.long, device=self.device)
+        self._pos = torch.zeros(self.S, 1, dtype=torch.long, device=self.device)
+        self.slots = [None] * self.S
+        for slot, got in enumerate(started):
+            self._load(slot, got)
+        self._release_padding()
+
+    def _release_padding(self) -> None:
+        for slot, st in enumerate(self.slots):
+            if st is None:
+                self.cache.release_row(slot)
+                if self.ref is not None:
+                    self.ref.release_row(slot)
 
     def step(self) -> None:
-        """One decode step of every busy slot, then compaction of the due rows, sampling, EOS checks,
-        records of finished sequences and refills."""
-        rows, cache, ref, dev, stats = self.rows, self.cache, self.ref, self.device, self.stats
-        if not rows:
+        """One decode step of all `S` rows, then compaction of the due rows, sampling, EOS checks,
+        records of finished sequences and refills (or padding)."""
+        slots, cache, ref, stats, clock, policy = self.slots, self.cache, self.ref, self.stats, self.clock, self.policy
+        act = [r for r, st in enumerate(slots) if st is not None]
+        if not act:
             return
-        stats.busy = R = len(rows)
-        ids = torch.tensor([[st.out[-1]] for st in rows], device=dev)
-        pos = torch.tensor([[len(st.req.prompt_ids) + len(st.out) - 1] for st in rows], device=dev)
-        clock = self.clock
+        stats.busy = len(act)
+        stats.padding_rows += self.S - len(act)
         t_step = clock.mark()
-        logits = self.adapter.forward(ids, pos, cache, padded=True)
+        logits = self.adapter.forward(self._ids, self._pos, cache, padded=True)  # [S, V]
         t_fwd = clock.mark()
         stats.steps += 1
-        policy = self.policy
-        for r, st in enumerate(rows):
-            st.meter.record([cache.lengths[r]], policy.row_kib(cache, r, self.kib))
+        for r in act:
+            slots[r].meter.record([cache.lengths[r]], policy.row_kib(cache, r, self.kib))
+        whole = len(act) == self.S
+        idx = None if whole else torch.tensor(act, device=self.device)
+        sub = logits if whole else logits.index_select(0, idx)  # [A, V]: the rows holding a sequence
+        fid = None
         if ref is not None:
-            ref_logits = self.adapter.forward(ids, pos, ref, padded=True)
-            kl, agree = step_agreement(ref_logits, logits)
-            for r, st in enumerate(rows):
-                st.fid.kl.append(kl[r])
-                st.fid.top1_agree.append(agree[r])
+            ref_logits = self.adapter.forward(self._ids, self._pos, ref, padded=True)
+            fid = step_agreement(ref_logits if whole else ref_logits.index_select(0, idx), sub)
         t_c = clock.mark()
-        nxt = [len(st.req.prompt_ids) + len(st.out) for st in rows]
-        compacted = policy.after_forward(cache, nxt[0] if R == 1 else nxt,
-                                         rows[0].meter if R == 1 else [st.meter for st in rows], prefill=False,
-                                         tokens=[st.out[-1] for st in rows])
+        nxt = [len(st.req.prompt_ids) + len(st.out) if st else 1 for st in slots]
+        meters = [st.meter if st else None for st in slots]
+        compacted = policy.after_forward(cache, nxt[0] if self.S == 1 else nxt, meters[0] if self.S == 1 else meters,
+                                         prefill=False, tokens=[st.out[-1] if st else None for st in slots])
         t_end = clock.mark()
-        # The one host read of the step (batched EOS and length checks); the timings after it.
-        slots = cache.slots[:R]
-        toks = sample_rows(policy.decoding.adjust(logits, slots, [st.out for st in rows]), self.sampling,
-                           [self.gens[s] for s in slots])
+        toks = sample_tokens(policy.decoding.adjust(sub, act, [slots[r].out for r in act]), self.sampling,
+                             [self.gens[r] for r in act])
+        # The one host read of the step: the tokens (batched EOS and length checks), the fidelity figures.
+        A = len(act)
+        read = (toks.tolist() if fid is None else torch.cat([toks.double(), fid[0], fid[1].double()]).tolist())
+        stats.host_syncs += 1 + host_reads(self.sampling, self.device, logits.shape[-1])
+        if whole:
+            self._ids.copy_(toks[:, None])
+        else:
+            self._ids.index_copy_(0, idx, toks[:, None])
+        self._pos += 1
         dt = clock.seconds(t_step, t_fwd)
         stats.decode_seconds += dt
-        for st in rows:
+        if ref is not None:
+            stats.fidelity_seconds += clock.seconds(t_fwd, t_c)
+        dt_c = clock.seconds(t_c, t_end) if compacted else None
+        if dt_c is not None:
+            stats.compaction_seconds += dt_c
+        for i, r in enumerate(act):
+            st = slots[r]
             st.decode_s.append(dt)
-        if compacted:
-            dt = clock.seconds(t_c, t_end)
-            stats.compaction_seconds += dt
-            for st in rows:
-                st.compact_s.append(dt)
-        keep_rows = []
-        for r, st in enumerate(rows):
-            if not self._take(st, toks[r], logits[r]):
-                keep_rows.append(r)
-                continue
-            self._finish(st)
-            got = self._admit(cache.slots[r])
-            if got is None:
-                continue
-            st2, tmp, tmp_ref = got
-            cache.load_row(r, tmp)
-            if ref is not None:
-                ref.load_row(r, tmp_ref)
-            rows[r] = st2
-            keep_rows.append(r)
-        if len(keep_rows) < R:  # the queue is empty: drop the finished rows from the batch
-            self.rows = [rows[r] for r in keep_rows]
-            if self.rows:
-                cache.select_rows(keep_rows)
-                if ref is not None:
-                    ref.select_rows(keep_rows)
+            if dt_c is not None:
+                st.compact_s.append(dt_c)
+            if fid is not None:
+                st.fid.kl.append(read[A + i])
+                st.fid.top1_agree.append(bool(read[2 * A + i]))
+            if self._take(st, int(read[i]), logits[r]):
+                self._finish(st)
+                self._load(r, self._admit(r))
+        self._release_padding()
         stats.allocated_bytes = max(stats.allocated_bytes, cache.allocated_bytes())
 
 
-def run_engine(model, requests: Sequence[Request], policy: RetentionPolicy, sampling: SamplingConfig,
+def run_engine(model, requests: Iterable[Request], policy: RetentionPolicy, sampling: SamplingConfig,
                eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                on_token: Callable[[int, BudgetMeter], None] | None = None,
-               on_step: Callable[[EngineStats], None] | None = None) -> EngineStats:
-    """Decode every request under `policy`, `batch_size` slots at a time (see module doc).
+               on_step: Callable[[EngineStats], None] | None = None, max_prompt: int | None = None) -> EngineStats:
+    """Decode every request under `policy` in `batch_size` slots (see module doc).
 
     on_finish(request, generation): called as each sequence ends, in finishing order.
     on_token(n_generated, meter): called after each token of a sequence.
     on_step(stats): called after every batched decode step.
     """
     eng = Engine(model, requests, policy, sampling, eos_token_ids, kib_per_token, batch_size=batch_size,
-                 fidelity=fidelity, keep_logits=keep_logits, on_finish=on_finish, on_token=on_token)
+                 fidelity=fidelity, keep_logits=keep_logits, on_finish=on_finish, on_token=on_token,
+                 max_prompt=max_prompt)
     with torch.inference_mode(), policy.attach(model):
         eng.fill()
         while eng.rows:

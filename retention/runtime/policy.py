@@ -79,30 +79,37 @@ class RetentionPolicy:
         """KiB row `row` stores now (None: stored tokens x kib_per_token, every token in full precision)."""
         return self.state.row_kib(cache, row, kib_per_token)
 
-    def due_rows(self, cache: RetentionCache, prefill: bool, tokens: list[int] | None = None) -> list[int]:
+    def due_rows(self, cache: RetentionCache, prefill: bool, tokens: list[int] | None = None,
+                 active: list[bool] | None = None) -> list[int]:
+        """The rows to compact now; `active[r]` False: a padding row (no sequence), never due."""
         if not self.scorer.evicts:
             return []
         toks = tokens if tokens is not None else [None] * cache.rows
-        return [r for r, n in enumerate(cache.lengths) if self.cadence.due(n, prefill, cache.prompt_lengths[r], toks[r])]
+        return [r for r, n in enumerate(cache.lengths) if (active is None or active[r])
+                and self.cadence.due(n, prefill, cache.prompt_lengths[r], toks[r])]
 
     def after_forward(self, cache: RetentionCache, next_position, meter, prefill: bool,
                       tokens: list[int] | None = None) -> bool:
         """Let the scorer observe the step, then compact the rows that are due. Returns True if any was.
 
         next_position: the absolute position of each row's next query (a list, or one int for a
-        single-row cache); meter: each row's `BudgetMeter` (a list, or one meter for a single row);
+        single-row cache); meter: each row's `BudgetMeter` (a list, or one meter for a single row;
+        None for a padding row of the engine's static step: it holds no sequence, is never compacted,
+        and whatever the scorer observes in it is dropped when its slot starts a sequence);
         tokens: the id each row's forward just wrote (host ints; None at prefill).
         """
         rows = cache.rows
         nxt = [int(next_position)] * rows if isinstance(next_position, int) else [int(t) for t in next_position]
         meters = [meter] * rows if isinstance(meter, BudgetMeter) else list(meter)
+        active = None if all(m is not None for m in meters) else [m is not None for m in meters]
         if prefill:
             self.tracer.prefilled(cache)
         self.scorer.observe(cache, nxt)
-        due = self.due_rows(cache, prefill, tokens)
+        due = self.due_rows(cache, prefill, tokens, active)
         if due:
             self._compact(cache, due, nxt, meters)
-        self.state.after_step(cache, nxt, meters[0].kib_per_token)
+        kib = next(m.kib_per_token for m in meters if m is not None)
+        self.state.after_step(cache, nxt, kib)
         return bool(due)
 
     def select(self, view, k: int):

@@ -460,3 +460,18 @@ def test_the_design_space_table_carries_the_iso_cache_diagnostic(tmp_path):
     assert rows["triattention+loop-guard"]["iso_prefill_delta_pp"] is None
     lines = "\n".join(design_space_lines(rep.design_space))
     assert f"iso-cache (prefill): Δ {pre['delta_pp']:+.2f} pp" in lines and "iso-cache (prefill): not run" in lines
+
+
+def test_paired_arms_at_different_slot_counts_are_flagged(tmp_path):
+    """A record depends on the slot count it was decoded at: a report warns when paired records
+    were decoded at different ones, and says nothing when they match."""
+    a = make_run(tmp_path, scorer="alpha", n=8)
+    b = make_run(tmp_path, scorer="triattention", n=8, seed=2)
+    for d, slots in ((a, 16), (b, 16)):
+        _write_records(d, [dict(r, slots=slots) for r in _records(d)])
+    rep = report.build_report([tmp_path], boot=200)
+    assert not [n for n in rep.notes if "slot counts" in n]
+    _write_records(b, [dict(r, slots=4 if r["sample"] == 0 else 16) for r in _records(b)])
+    rep = report.build_report([tmp_path], boot=200)
+    warned = [n for n in rep.notes if "slot counts" in n]
+    assert len(warned) == 1 and "8 paired record(s)" in warned[0] and "(16 vs 4)" in warned[0]

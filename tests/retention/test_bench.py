@@ -55,6 +55,8 @@ def test_bench_batched_lockstep_rows(tmp_path):
     for r in fig["speed"]:
         assert r["prompt_tokens"] == 40 and r["steps"] == 11
         assert r["tokens_per_second"] > 0 and r["step_ms_median"] > 0 and 0 <= r["compaction_share"] < 1
+        if r["variant"] in ("dynamic-cache", "full"):  # no compaction: the tokens' read, once per step
+            assert r["host_syncs_per_step"] == 1.0
         if r["variant"] == "streaming":
             assert r["allocated_bytes_per_sequence"] == (24 - 4 - 1 + 8) * token_bytes
             assert r["cache_mean_tokens"] <= 24
@@ -86,3 +88,22 @@ def test_bench_prompts_the_model_as_run_does():
         figures[style] = fig["prompt_tokens"]
         assert fig["prompt_tokens"] == len(format_prompt(loaded.tokenizer, problems[0].problem, style))
     assert figures["chat"] != figures["r1"]
+
+
+def test_gpu_bench_graph_safe_step_matches_the_engine_on_cpu(tmp_path):
+    """scripts/gpu_bench.py's graph-safe static forward (what it captures as a CUDA graph on a GPU)
+    gives the engine's own logits, bit for bit, at every step of a CPU smoke run, compactions and
+    the full cache included (a mismatch would turn it off and say so in the row)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    gpu_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_bench)
+    out = tmp_path / "gpu.json"
+    assert gpu_bench.main(["--device", "cpu", "--shape", "tiny", "--batch-sizes", "4", "--new-tokens", "40",
+                           "--prompt", "490", "--budget", "12", "--out", str(out)]) == 0  # full crosses 512
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["scorer"] for r in rows] == ["alpha", "full"] and all(r["completed"] for r in rows)
+    assert all(r["graphs"].startswith("off (no GPU: the graph-safe forward runs eagerly, checked)") for r in rows)

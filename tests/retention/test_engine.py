@@ -208,3 +208,44 @@ def test_fidelity_batched_equals_alone(tiny64, stats_path):
         assert a["first_divergence_step"] == b["first_divergence_step"] and a["steps"] == b["steps"] == 16
         assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-9, abs=1e-12)
     assert max(g.fidelity.summary()["kl_max"] for g in batched.values()) > 0
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 1.0), (0.8, 0.9)])
+def test_one_host_read_per_decode_step(tiny, stats_path, temperature, top_p, monkeypatch):
+    """Sampled or greedy, with fidelity: every host read of the run is one the engine counts, one
+    per decode step and one per started sequence (the module docstring's list; on a CPU the nucleus
+    adds one per sampling call)."""
+    from retention.runtime import sampling
+    from retention.runtime.sampling import host_reads
+
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 64)  # below tiny-random's 256 tokens: the CPU's read
+    from retention.runtime.engine import Engine
+    from retention.runtime.syncs import count_host_reads
+
+    cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_p=top_p, ignore_eos=True)
+    policy = make_policy("full", stats_path)
+    eng = Engine(tiny.model, [Request(i, p, i) for i, p in enumerate(PROMPTS)], policy, cfg, set(), 1.0,
+                 batch_size=3, fidelity=True)
+    with torch.inference_mode(), policy.attach(tiny.model), count_host_reads() as counts:
+        eng.fill()
+        while not eng.done:
+            eng.step()
+    st = eng.stats
+    assert st.finished == len(PROMPTS) and st.padding_rows > 0  # the tail ran on padding rows
+    extra = host_reads(cfg, torch.device("cpu"), tiny.model.config.vocab_size)
+    assert extra == (top_p < 1)
+    assert st.host_syncs == (1 + extra) * st.steps and st.start_syncs == (2 + extra) * len(PROMPTS)
+    assert counts["all"] == st.host_syncs + st.start_syncs
+
+
+def test_fidelity_kl_is_the_written_out_sum():
+    """`step_agreement`'s fused KL is sum p (log p - log q) in float64, bit for bit."""
+    from retention.runtime.fidelity import step_agreement
+
+    g = torch.Generator().manual_seed(0)
+    ref = (torch.randn(5, 3000, generator=g) * 3).to(torch.bfloat16)
+    lg = ref + (torch.randn(5, 3000, generator=g) * 0.5).to(torch.bfloat16)
+    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(lg.double(), -1)
+    kl, agree = step_agreement(ref, lg)
+    assert torch.equal(kl, (p.exp() * (p - q)).sum(-1).clamp(min=0.0))
+    assert torch.equal(agree, ref.argmax(-1) == lg.argmax(-1))
