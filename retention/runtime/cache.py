@@ -461,6 +461,8 @@ class RetentionCache(Cache):
         if self.ragged:
             if q != 1:
                 raise RuntimeError("ragged rows are decoded one token at a time")
+            if max(new) > first.capacity:  # grow now, so that the mask has the width of the views it masks
+                self._grow(max(2 * first.capacity, max(new)))
             dev = first.pbuf.device
             self._mask_widths = torch.tensor(new, device=dev)
             self._mask = torch.zeros(len(new), query_heads, 1, first.view_width(max(new)), dtype=dtype, device=dev)
