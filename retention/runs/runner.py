@@ -340,7 +340,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     longest = max(map(len, prompts.values()), default=0)
     explicit = batch_size is not None
     if batch_size is None:
-        choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], sampling["max_new_tokens"], longest, fidelity)
+        choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], sampling["max_new_tokens"], longest, fidelity,
+                                 len(problems) * samples)
         print(choice.why, file=sys.stderr)
         batch_size = choice.slots
     slots = resolve_slots(arms, batch_size, len(problems) * samples, explicit)
