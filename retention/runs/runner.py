@@ -15,6 +15,7 @@ write-order and resume invariant, kept in one place.)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import subprocess
 import sys
@@ -352,7 +353,11 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
         # Pairs are drawn lazily as slots free: nothing is allocated per sample.
         pending = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)
                    if not arm.run.records.has(problems[i].unique_id, s))
-        reqs = (Request((p, s), prompts[p.unique_id], derive_seed(base_seed, p.unique_id, s)) for p, s in pending)
+        first = next(pending, None)
+        if first is None:  # this arm is complete
+            continue
+        reqs = (Request((p, s), prompts[p.unique_id], derive_seed(base_seed, p.unique_id, s))
+                for p, s in itertools.chain([first], pending))
 
         def on_finish(req, g, _arm=arm, _S=S):
             p, s = req.key
