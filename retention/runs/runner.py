@@ -16,6 +16,7 @@ write-order and resume invariant, kept in one place.)
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import subprocess
 import sys
@@ -381,7 +382,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     longest = max(map(len, prompts.values()), default=0)
     explicit = batch_size is not None
     if batch_size is None:
-        choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], sampling["max_new_tokens"], longest, fidelity)
+        choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], sampling["max_new_tokens"], longest, fidelity,
+                                 len(problems) * samples)
         print(choice.why, file=sys.stderr)
         batch_size = choice.slots
     slots = resolve_slots(arms, batch_size, len(problems) * samples, explicit)
@@ -392,7 +394,11 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
         # Pairs are drawn lazily as slots free: nothing is allocated per sample.
         pending = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)
                    if not arm.run.records.has(problems[i].unique_id, s))
-        reqs = (Request((p, s), prompts[p.unique_id], derive_seed(base_seed, p.unique_id, s)) for p, s in pending)
+        first = next(pending, None)
+        if first is None:  # this arm is complete
+            continue
+        reqs = (Request((p, s), prompts[p.unique_id], derive_seed(base_seed, p.unique_id, s))
+                for p, s in itertools.chain([first], pending))
 
         def on_finish(req, g, _arm=arm, _S=S):
             p, s = req.key

@@ -64,9 +64,9 @@ def slot_kib(cadence, kib_per_token: float, longest_prompt: int, max_new_tokens:
 
 
 def auto_batch_size(loaded, cadences, max_new_tokens: int, longest_prompt: int = 512,
-                    fidelity: bool = False) -> SlotChoice:
+                    fidelity: bool = False, pairs: int | None = None) -> SlotChoice:
     """The largest slot count whose caches (the largest of `cadences`' arms) fit in `MEMORY_SHARE`
-    of the available memory, at most `MAX_SLOTS` for the device type."""
+    of the available memory, at most `MAX_SLOTS` for the device type and the run's `pairs`."""
     import torch
 
     kind = torch.device(loaded.device).type
@@ -74,14 +74,15 @@ def auto_batch_size(loaded, cadences, max_new_tokens: int, longest_prompt: int =
     per_slot = max(slot_kib(c, loaded.geometry.kib_per_token, longest_prompt, max_new_tokens, fidelity)
                    for c in cadences)
     avail = available_bytes(loaded.device)
+    few = f", as many as the run's {pairs} sequences" if pairs is not None and pairs < cap else ""
     if avail is None:
-        slots = 16
-        return SlotChoice(slots, f"batch size {slots} (automatic for {kind}: available memory unknown; "
+        slots = min(16, pairs or 16)
+        return SlotChoice(slots, f"batch size {slots} (automatic for {kind}: available memory unknown{few}; "
                                  "set it with --batch-size)")
     fit = int(MEMORY_SHARE * avail / (per_slot * 1024))
-    slots = max(1, min(cap, fit))
-    bound = f"capped at {cap}" if fit > cap else f"{fit} fit"
-    return SlotChoice(slots, f"batch size {slots} (automatic for {kind}: {per_slot / 1024:.1f} MiB of cache per "
+    slots = max(1, min(cap, fit, pairs or cap))
+    bound = f"{fit} fit" if fit < min(cap, pairs or cap) else (few[2:] if few else f"capped at {cap}")
+    return SlotChoice(slots, f"batch size {slots} (automatic for {kind}: {per_slot:,.0f} KiB of cache per "
                              f"slot, {100 * MEMORY_SHARE:.0f}% of {avail / 2**30:.1f} GiB available, {bound}; "
                              "set it with --batch-size)")
 

@@ -249,3 +249,15 @@ def test_fidelity_kl_is_the_written_out_sum():
     kl, agree = step_agreement(ref, lg)
     assert torch.equal(kl, (p.exp() * (p - q)).sum(-1).clamp(min=0.0))
     assert torch.equal(agree, ref.argmax(-1) == lg.argmax(-1))
+
+
+def test_padding_rows_are_never_due(stats_path):
+    """A padding row of the static step (meter None) is never compacted, whatever it holds."""
+    from retention.runtime.cache import RetentionCache
+
+    pol = make_policy("streaming", stats_path)
+    full = pol.cadence.nominal + pol.cadence.interval
+    cache = RetentionCache(1)
+    cache.lengths, cache.prompt_lengths, cache.slots = [full, full], [3, 3], [0, 1]
+    assert pol.due_rows(cache, prefill=False) == [0, 1]
+    assert pol.due_rows(cache, prefill=False, active=[False, True]) == [1]

@@ -74,3 +74,24 @@ def test_first_difference():
     assert first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert first_difference([1, 2], [1, 2, 3]) == 2
     assert first_difference([], []) is None
+
+
+def test_a_bfloat16_full_cache_run_reproduces_from_any_records(tmp_path, monkeypatch):
+    """In bfloat16 a record depends on its slot count and on the rows' size (the run's longest
+    prompt, for `full`): a record reproduced alone is decoded at both, token for token."""
+    from retention.runtime import engine
+
+    out = tmp_path / "runs"
+    args = ["--model", "tiny-random", "--dtype", "bfloat16", "--quiet", "--scorer", "full", "--limit", "4",
+            "--max-new-tokens", "48", "--temperature", "0", "--batch-size", "3", "--ignore-eos"]
+    assert CliRunner().invoke(main, ["run", *args, "--out", str(out)]).exit_code == 0
+    (d,) = [p for p in out.iterdir() if p.is_dir()]
+    path = d / "records.jsonl"  # the record of the shortest prompt first: alone it would size rows smaller
+    records = sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda r: r["prompt_tokens"])
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    seen, real = [], engine.run_engine
+    monkeypatch.setattr(engine, "run_engine", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    res = _reproduce(d, "--limit", "1")
+    assert res.exit_code == 0 and res.output.splitlines()[-1] == "1 of 1 record(s) identical", res.output
+    assert [(kw["batch_size"], kw["max_prompt"]) for kw in seen] == [(3, records[-1]["prompt_tokens"])]
+    assert records[0]["prompt_tokens"] < records[-1]["prompt_tokens"]

@@ -38,7 +38,7 @@ def test_auto_picks_the_largest_count_that_fits(monkeypatch, gib, fidelity, want
     choice = slots.auto_batch_size(loaded(), cs, 768, 200, fidelity)
     assert choice.slots == want == max(1, min(64, int(slots.MEMORY_SHARE * gib * 2**30 / per_slot)))
     assert choice.why.startswith(f"batch size {want} (automatic for cpu: ")
-    assert f"{per_slot / 2**20:.1f} MiB of cache per slot, 50% of" in choice.why
+    assert f"{per_slot / 1024:,.0f} KiB of cache per slot, 50% of" in choice.why
     assert ("capped at 64" in choice.why) == (want == 64)
 
 
@@ -53,3 +53,11 @@ def test_cuda_cap_and_unknown_memory(monkeypatch):
 def test_available_memory_is_read_on_this_cpu():
     got = slots.available_bytes("cpu")
     assert got is None or got > 0
+
+
+def test_auto_says_when_the_run_is_smaller_than_what_fits(monkeypatch):
+    monkeypatch.setattr(slots, "available_bytes", lambda device: 64 * 2**30)
+    choice = slots.auto_batch_size(loaded(), [cadence("streaming")], 768, 200, pairs=6)
+    assert choice.slots == 6 and "as many as the run's 6 sequences" in choice.why
+    monkeypatch.setattr(slots, "available_bytes", lambda device: 2**20)  # memory binds before the pairs do
+    assert slots.auto_batch_size(loaded(), [cadence("full")], 768, 200, pairs=6).slots == 1
