@@ -1,14 +1,12 @@
 """The batched engine: batch invariance for every scorer, exactness at an unlimited budget, meter
 bounds per sequence, slot refill never leaking the previous sequence, seeded sampling at any batch."""
 
-import copy
 from dataclasses import dataclass
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from retention.scorers.calibration import calibrate
 from retention.runtime.engine import Request, SamplingConfig, cache_kwarg, run_engine
 from retention.runtime.policy import RetentionPolicy, cadence_for
 from retention.scorers import available, make_scorer
@@ -16,18 +14,6 @@ from retention.scorers import available, make_scorer
 # Eight prompts of different lengths (13..69 tokens), so rows are padded and compact at different steps.
 PROMPTS = [list(range(3 + i, 16 + 8 * i)) for i in range(8)]
 SCORERS = ["full", "random", "streaming", "triattention", "alpha", "snapkv", "rkv", "h2o"]
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny):
-    """tiny-random in float64: batched and single decodes agree to the last token there."""
-    return copy.deepcopy(tiny.model).to(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def stats_path(tiny, tmp_path_factory):
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
-    return str(calibrate(tiny.model, ids).save(tmp_path_factory.mktemp("stats") / "tiny.safetensors"))
 
 
 def make_policy(name, stats_path, budget=20, interval=4, accounting="mean", protect_prompt=False):

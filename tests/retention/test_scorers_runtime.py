@@ -8,7 +8,6 @@ import torch
 from transformers import DynamicCache
 
 from retention.runtime.cadence import Cadence
-from retention.scorers.calibration import calibrate
 from retention.runtime.generate import SamplingConfig, _cache_kwarg, generate
 from retention.runtime.policy import RetentionPolicy
 from retention.scorers import available, make_scorer
@@ -27,12 +26,6 @@ ARMS = [
     ("random", {}),
 ]
 ARM_IDS = [n + ("-" + "-".join(f"{k}{v}" for k, v in p.items()) if p else "") for n, p in ARMS]
-
-
-@pytest.fixture(scope="module")
-def stats_path(tiny, tmp_path_factory):
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
-    return str(calibrate(tiny.model, ids).save(tmp_path_factory.mktemp("stats") / "tiny.safetensors"))
 
 
 def scorer(name, params, stats_path):

@@ -5,7 +5,6 @@ alone) for every kind of compaction, and a long generation's trace stays small."
 from __future__ import annotations
 
 import base64
-import copy
 import json
 
 import numpy as np
@@ -130,17 +129,6 @@ def test_trace_json_round_trip_and_prompt_summary():
 
 # --------------------------------------------------------------------------------------------------
 # runs
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny):
-    return copy.deepcopy(tiny.model).to(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def stats_path(tiny, tmp_path_factory):
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
-    return str(calibrate(tiny.model, ids).save(tmp_path_factory.mktemp("stats") / "tiny.safetensors"))
 
 
 def _policy(scorer, stats, budget=24, interval=6, protect_prompt=False, state=None, routing=None, newline=False,

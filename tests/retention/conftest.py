@@ -1,0 +1,23 @@
+"""Fixtures of the runtime tests that build on the session's `tiny` model (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from retention.scorers.calibration import calibrate
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny):
+    """tiny-random in float64: batched and single decodes agree to the last token there."""
+    return copy.deepcopy(tiny.model).to(torch.float64)
+
+
+@pytest.fixture(scope="module")
+def stats_path(tiny, tmp_path_factory):
+    """TriAttention statistics of `tiny`, calibrated on 300 seeded random tokens."""
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
+    return str(calibrate(tiny.model, ids).save(tmp_path_factory.mktemp("stats") / "tiny.safetensors"))
