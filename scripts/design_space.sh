@@ -9,9 +9,9 @@ set -euo pipefail
 RETENTION=${RETENTION:-.venv/bin/retention}
 OUT=${OUT:-results/design-space-qwen0.5b}
 MODEL=${MODEL:-qwen2.5-coder-0.5b}
-PROBLEMS=${PROBLEMS:-16}
+PROBLEMS=${PROBLEMS:-64}
 TOKENS=${TOKENS:-1024}
-BATCH=${BATCH:-16}
+BATCH=${BATCH:-64}
 STATS=${STATS:-results/real-signal-qwen0.5b/stats-$MODEL.safetensors}
 KIB=${KIB:-1536}  # 128 tokens of this model's full-precision cache (12 KiB per token in bf16)
 mkdir -p "$OUT"
@@ -22,7 +22,15 @@ tri=(--scorer triattention --stats "$STATS" --fidelity)
 arm triattention-128 "${tri[@]}" --budget 128                                   # the baseline
 arm alpha-128 --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity --budget 128  # scoring
 arm quant-int8-same-bytes "${tri[@]}" --budget-bytes "$KIB" --state quant --param quant.keys=token  # state
+arm pyramidkv-128 "${tri[@]}" --budget 128 --routing pyramidkv                  # routing
+arm adakv-128 "${tri[@]}" --budget 128 --routing adakv                          # routing
 arm merge-128 "${tri[@]}" --budget 128 --state merge                            # state
 arm newline-128 "${tri[@]}" --budget 128 --cadence newline                      # cadence
 arm loop-guard-128 "${tri[@]}" --budget 128 --decoding loop-guard               # decoding
 arm full --scorer full                                                          # the reference
+# The iso-cache diagnostic (the same arms under `prefill` accounting): run only when named in ARMS.
+if [ -n "${ARMS:-}" ]; then
+  arm triattention-128-prefill "${tri[@]}" --budget 128 --accounting prefill
+  arm alpha-128-prefill --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity --budget 128 --accounting prefill
+  arm pyramidkv-128-prefill "${tri[@]}" --budget 128 --routing pyramidkv --accounting prefill
+fi
