@@ -84,6 +84,8 @@ def design_space_rows(comparisons: list[dict], runs: list, arms: list[dict]) -> 
             "p_bootstrap": c["p_bootstrap"], "p_bonferroni": c["p_bonferroni"], "verdict": c["verdict"],
             "t_cache_mean_tokens": ta.get("cache_mean_tokens"), "b_cache_mean_tokens": ba.get("cache_mean_tokens"),
             "t_cache_mean_kib": ta.get("cache_mean_kib"), "b_cache_mean_kib": ba.get("cache_mean_kib"),
+            "t_cache_mean_buffer_tokens": ta.get("cache_mean_buffer_tokens"),
+            "b_cache_mean_buffer_tokens": ba.get("cache_mean_buffer_tokens"),
             "accounting": c.get("accounting"),
             "iso_prefill_delta_pp": iso["delta_pp"] if iso else None,
             "iso_prefill_p": iso["p_bootstrap"] if iso else None,
@@ -105,8 +107,16 @@ def design_space_lines(rows: list[dict]) -> list[str]:
                    f"Δ {r['delta_pp']:+.2f} pp [{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}], "
                    f"p = {r['p_bootstrap']:.3g}, p_bonf = {r['p_bonferroni']:.3g}, {r['verdict']}; "
                    f"cache {_num(r['t_cache_mean_tokens'])} / {_num(r['b_cache_mean_tokens'])} tokens, "
-                   f"{_num(r['t_cache_mean_kib'])} / {_num(r['b_cache_mean_kib'])} KiB; " + _iso(r))
+                   f"{_num(r['t_cache_mean_kib'])} / {_num(r['b_cache_mean_kib'])} KiB; " + _buffers(r) + _iso(r))
     return out
+
+
+def _buffers(r: dict) -> str:
+    """This engine's buffer slots when they exceed the stored tokens (an allocating routing's holes)."""
+    t, b = r.get("t_cache_mean_buffer_tokens"), r.get("b_cache_mean_buffer_tokens")
+    padded = [(x, s) for x, s in ((t, r["t_cache_mean_tokens"]), (b, r["b_cache_mean_tokens"]))
+              if x is not None and s is not None and x == x and x > s + 1e-9]
+    return f"buffers {_num(t)} / {_num(b)} tokens (holes included); " if padded else ""
 
 
 def _iso(r: dict) -> str:

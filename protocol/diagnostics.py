@@ -43,6 +43,8 @@ def summarize_run(run: Run) -> dict:
         "cache_peak_tokens": float(max(peaks)) if peaks else float("nan"),
         "kib_per_token": _mean(r.get("kib_per_token") for r in recs),
         "cache_mean_kib": _mean(r.get("cache_mean_kib") for r in recs),
+        # this engine's buffer slots, holes included (older records lack it: NaN, not measured)
+        "cache_mean_buffer_tokens": _mean(r.get("cache_mean_buffer_tokens") for r in recs),
         "mean_output_tokens": _mean(r.get("output_tokens") for r in recs),
         "truncation_rate": (float(np.mean([r.get("finish_reason") == "length" for r in recs]))
                             if recs else float("nan")),

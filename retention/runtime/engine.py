@@ -331,8 +331,9 @@ class Engine:
         logits = self.adapter.forward(self._ids, self._pos, cache, padded=True)  # [S, V]
         t_fwd = clock.mark()
         stats.steps += 1
+        widths = cache.widths  # lengths + holes: the buffer slots each row occupies per (layer, KV head)
         for r in act:
-            slots[r].meter.record([cache.lengths[r]], policy.row_kib(cache, r, self.kib))
+            slots[r].meter.record([cache.lengths[r]], policy.row_kib(cache, r, self.kib), widths[r])
         whole = len(act) == self.S
         idx = None if whole else torch.tensor(act, device=self.device)
         sub = logits if whole else logits.index_select(0, idx)  # [A, V]: the rows holding a sequence

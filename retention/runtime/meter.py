@@ -10,6 +10,13 @@ Summaries: the mean over decode steps (the project's budget is this number), the
 length, the number of compactions, and a per-step trace downsampled to at most `max_trace` points.
 Tokens convert to bytes with the model's cache layout (`retention.models.layouts`: `kib_per_token`), which
 counts the compressed representation kept per token, not allocated buffers (`counts` says so).
+
+A second reading counts this engine's buffers: the slots a row occupies per (layer, KV head), its
+width, holes included (`cache_mean_buffer_tokens`). Under an allocating routing (PyramidKV, AdaKV)
+heads keep different counts, and the cache's `[rows, heads, capacity]` buffers pad every head to the
+row's widest, so this reading exceeds the stored tokens; with a uniform allocation they are equal.
+The budget holds the stored tokens (what a flat store with per-head offsets, as AdaKV's reference
+keeps, would hold); the buffer reading says what this implementation allocated for them.
 """
 
 from __future__ import annotations
@@ -41,15 +48,18 @@ class BudgetMeter:
     _kib_sum: float = 0.0
     _kib_peak: float = 0.0
     _kib_steps: int = 0  # steps whose bytes a state reported (0: every token in full precision)
+    _buffer_sum: float = 0.0
 
     def record_prefill(self, lengths: list[int]) -> None:
         self.prefill_tokens = max(lengths)
         self._final = max(lengths)
 
-    def record(self, lengths: list[int], kib: float | None = None) -> None:
+    def record(self, lengths: list[int], kib: float | None = None, buffer: int | None = None) -> None:
         """Stored tokens per layer that the decode step just attended to; `kib`: the KiB the row
-        stores when a state keeps tokens in another representation (None: tokens x kib_per_token)."""
+        stores when a state keeps tokens in another representation (None: tokens x kib_per_token);
+        `buffer`: the row's buffer width per (layer, KV head), holes included (None: no holes)."""
         mean = sum(lengths) / len(lengths)
+        self._buffer_sum += mean if buffer is None else buffer
         if kib is not None or self._kib_steps:
             kib = mean * self.kib_per_token if kib is None else kib
             self._kib_sum += kib
@@ -95,6 +105,11 @@ class BudgetMeter:
         return self.mean * self.kib_per_token
 
     @property
+    def mean_buffer(self) -> float:
+        """Mean buffer slots per (layer, KV head) over decode steps, holes included (module doc)."""
+        return self._buffer_sum / self._steps if self._steps else float(self._final)
+
+    @property
     def exceeded(self) -> bool:
         """The measured mean is above the budget (the project's definition, whatever the mode), in
         tokens or, with a byte budget, in KiB."""
@@ -114,6 +129,7 @@ class BudgetMeter:
             "kib_per_token": self.kib_per_token,
             "kib_counts": self.counts,
             "cache_mean_kib": self.mean_kib,
+            "cache_mean_buffer_tokens": self.mean_buffer,
             "budget_exceeded": self.exceeded,
             "compactions": self.compactions,
             "decode_steps": self.steps,

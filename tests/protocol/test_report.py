@@ -462,6 +462,28 @@ def test_the_design_space_table_carries_the_iso_cache_diagnostic(tmp_path):
     assert f"iso-cache (prefill): Δ {pre['delta_pp']:+.2f} pp" in lines and "iso-cache (prefill): not run" in lines
 
 
+def test_the_design_space_table_shows_the_padding_of_an_allocating_routing(tmp_path):
+    """A routing whose heads keep different counts pads this engine's buffers: the row carries the
+    metered buffer slots of both arms, and the terminal line shows them only when they exceed the
+    stored tokens (records written before the reading existed give NaN, not a figure)."""
+    from protocol.design_space import design_space_lines
+
+    base = make_run(tmp_path, scorer="triattention", seed=1)
+    ada = make_run(tmp_path, scorer="triattention", seed=2, extra={"routing": {"name": "adakv", "params": {}}})
+    for d, pad in ((base, 0.0), (ada, 96.0)):
+        _write_records(d, [dict(r, cache_mean_buffer_tokens=r["cache_mean_tokens"] + pad) for r in _records(d)])
+    rep = report.build_report([tmp_path], baseline="triattention", boot=200)
+    (row,) = rep.design_space
+    stored = [a["cache_mean_tokens"] for a in rep.arms if a["run_id"] == ada.name][0]
+    assert row["families"] == "routing"
+    assert row["t_cache_mean_buffer_tokens"] == pytest.approx(stored + 96.0)
+    assert row["b_cache_mean_buffer_tokens"] == pytest.approx(row["b_cache_mean_tokens"])
+    assert "buffers " in "\n".join(design_space_lines(rep.design_space))
+    _write_records(ada, [dict(r, cache_mean_buffer_tokens=r["cache_mean_tokens"]) for r in _records(ada)])
+    rep = report.build_report([tmp_path], baseline="triattention", boot=200)
+    assert "buffers " not in "\n".join(design_space_lines(rep.design_space))
+
+
 def test_paired_arms_at_different_slot_counts_are_flagged(tmp_path):
     """A record depends on the slot count it was decoded at: a report warns when paired records
     were decoded at different ones, and says nothing when they match."""

@@ -14,32 +14,15 @@ from click.testing import CliRunner
 
 from retention.cli import main
 from retention.errors import RetentionError
-from retention.models import load_model
 from retention.runs.arms import validate_arm
 from retention.runtime.adapter import ModelAdapter
 from retention.runtime.allocation import adakv_kept, cap_to_stored, pyramid_budgets, safeguard_size
 from retention.runtime.cache import Allocation, RetentionCache
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.scorers.calibration import calibrate
+from retention.runtime.meter import BudgetMeter
 
 PROMPTS = [list(range(3 + i, 16 + 8 * i)) for i in range(8)]
 ROUTINGS = [{"name": "pyramidkv", "params": {"beta": 20}}, {"name": "adakv", "params": {"alpha": 0.2}}]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny-random", dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def tiny64(tiny):
-    return copy.deepcopy(tiny.model).to(torch.float64)
-
-
-@pytest.fixture(scope="module")
-def stats(tiny, tmp_path_factory):
-    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
-    return str(calibrate(tiny.model, ids).save(tmp_path_factory.mktemp("stats") / "tiny.safetensors"))
 
 
 def arm(routing, scorer="snapkv", **kw):
@@ -226,9 +209,22 @@ def test_allocations_make_ragged_rows(tiny, routing, monkeypatch):
     def spy(self, rows, keep, allocation=None):
         orig(self, rows, keep, allocation)
         holes.append(max(self.holes[r] for r in rows))
+    widths = []
+    orig_record = BudgetMeter.record
+
+    def spy_record(self, lengths, kib=None, buffer=None):
+        orig_record(self, lengths, kib, buffer)
+        widths.append(buffer)
     monkeypatch.setattr(RetentionCache, "compact_rows", spy)
+    monkeypatch.setattr(BudgetMeter, "record", spy_record)
     gen = decode(tiny.model, arm(routing), [PROMPTS[5]], 1)[0]
     assert gen.meter.compactions == len(holes) > 1 and max(holes) > 0 and gen.meter.mean <= 20
+    # the padding is metered: the buffer reading is the mean row width, above the stored tokens
+    assert len(widths) == gen.meter.steps and None not in widths
+    assert gen.meter.mean_buffer == pytest.approx(sum(widths) / len(widths))
+    assert gen.meter.mean_buffer > gen.meter.mean
+    native = decode(tiny.model, arm("native"), [PROMPTS[5]], 1)[0]
+    assert native.meter.mean_buffer == native.meter.mean
 
 
 @pytest.mark.parametrize(("routing", "params"), [("pyramidkv", {"beta": 1.0}), ("adakv", {"alpha": 1.0})])
@@ -266,17 +262,17 @@ def test_a_wide_window_leaves_kvpress_pyramid_flat(tiny):
     ({"scorer": "snapkv", "routing": {"name": "pyramidkv", "params": {"beta": 0.5}}}, "pyramidkv.beta must be"),
     ({"scorer": "snapkv", "routing": {"name": "adakv", "params": {"alpha": 1.5}}}, "adakv.alpha must be in [0, 1]"),
 ])
-def test_combinations_that_cannot_work_are_refused_in_one_line(cfg, message, stats):
-    cfg = dict(cfg, scorer_params=dict(cfg.get("scorer_params", {}), stats=stats)) if cfg["scorer"] in (
+def test_combinations_that_cannot_work_are_refused_in_one_line(cfg, message, stats_path):
+    cfg = dict(cfg, scorer_params=dict(cfg.get("scorer_params", {}), stats=stats_path)) if cfg["scorer"] in (
         "alpha", "triattention") else cfg
     with pytest.raises(RetentionError) as exc:
         validate_arm({"model": "tiny-random", "budget": 20, **cfg})
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_triattention_follows_an_allocation_per_layer(stats):
+def test_triattention_follows_an_allocation_per_layer(stats_path):
     """An allocation needs one kept set per layer: triattention's routing parameter is set to per-layer."""
-    spec = arm("pyramidkv", scorer="triattention", scorer_params={"stats": stats})
+    spec = arm("pyramidkv", scorer="triattention", scorer_params={"stats": stats_path})
     assert spec.scorer_params["routing"] == "per-layer"
     assert spec.config["routing"] == {"name": "pyramidkv", "params": {"beta": 20.0}}
 
