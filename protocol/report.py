@@ -24,7 +24,7 @@ from protocol.provenance import confirmation_status, is_confirm_run, provenance 
 from protocol.render import (REPORT_LISTING, json_safe, tex_escape, terminal_summary,  # noqa: F401
                              to_latex, unconfirmed_banner, write_report)
 from protocol.runs import (Run, assign_labels, correct, find_run_dirs, load_run, pair_runs,  # noqa: F401
-                           refuse_duplicates)
+                           refuse_duplicates, sizing_notes)
 
 
 @dataclass
@@ -64,8 +64,10 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = No
     a given value that differs from its registered one is refused. registry: the registry of
     plans and confirmations (default: the user's, `protocol.ledger.Registry()`)."""
     runs = [load_run(d, grade=grade, with_trace=True) for d in find_run_dirs(run_dirs)]
-    return report_from_runs(runs, baseline=baseline, boot=boot, boot_max=boot_max, seed=seed, alpha=alpha, m=m,
-                            confirm_dirs=confirm_dirs, subset_boot=subset_boot, registry=registry)
+    rep = report_from_runs(runs, baseline=baseline, boot=boot, boot_max=boot_max, seed=seed, alpha=alpha, m=m,
+                           confirm_dirs=confirm_dirs, subset_boot=subset_boot, registry=registry)
+    rep.notes += sizing_notes(run_dirs)
+    return rep
 
 
 def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int | None = None,

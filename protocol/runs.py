@@ -206,6 +206,25 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
                trace=trace, warnings=warnings)
 
 
+SIZING_NOTE = "sizing.json"  # written into a runs folder by `retention size --out`; stated by the report
+
+
+def sizing_notes(paths) -> list[str]:
+    """The report's lines for the runs folders among `paths` that hold a sizing note (a job that ran
+    fewer problems than it asked for because this host was measured too slow for all of them)."""
+    out = []
+    for p in map(Path, paths):
+        path = p / SIZING_NOTE
+        if not path.is_file():
+            continue
+        try:
+            note = json.loads(path.read_text())
+            out.append(f"{note['model']}: this job was {note['line']} (retention size, {note['written']})")
+        except (ValueError, KeyError, TypeError):
+            out.append(f"{path}: an unreadable sizing note (the job's problem count was chosen by retention size)")
+    return out
+
+
 def find_run_dirs(paths) -> list[Path]:
     """Expand each path: a run directory itself, or a folder searched for run directories.
     A directory reached twice (given twice, or inside a folder also given) is listed once."""

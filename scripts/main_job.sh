@@ -10,6 +10,9 @@
 #   3. report: paired statistics, CSV, LaTeX, PNG, a table on the terminal, and the exploratory
 #      paired test on the fidelity proxy (mean KL, first divergence step; alpha vs triattention),
 #   4. the viewer (`retention view`): a static site of the runs, problem by problem, in $OUT/viewer.
+# With DEADLINE (a Unix time; `make run` sets it 10 minutes after make started), the job is sized to
+# this host after calibrating: `retention size` measures a decode step and the runs take the largest
+# problem count, at most PROBLEMS, predicted to finish before it (the terminal and the report say so).
 # SmolLM2-135M cannot solve MATH problems (accuracy ~0 for every arm; the fidelity columns are what it
 # measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see the README (GPU section).
 set -euo pipefail
@@ -27,6 +30,14 @@ start=$(date +%s)
 stats="$OUT/stats-$MODEL.safetensors"
 if [ ! -f "$stats" ]; then
   "$RETENTION" calibrate --model "$MODEL" --dtype "$DTYPE" --out "$stats"
+fi
+# Size the job to this host when a deadline is set (its note lands in the runs folder, where the report reads it).
+note="$OUT/runs/sizing.json"
+if [ -n "${DEADLINE:-}" ]; then
+  PROBLEMS=$("$RETENTION" size --model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --seconds "$(( DEADLINE - $(date +%s) ))" \
+    --max-new-tokens "$TOKENS" --batch-size "$BATCH" --retention-arms 2 --full-arms 1 --commands 2 --out "$note")
+else
+  rm -f "$note"  # an earlier sized job's note would misstate this one
 fi
 common=(--model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature 0 \
   --batch-size "$BATCH" --out "$OUT/runs" --trace)

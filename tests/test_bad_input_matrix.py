@@ -57,6 +57,8 @@ BASE = {
     ("check-scorer",): ["streaming", "--context", "0"],
     ("check",): ["state:quant"],
     ("reproduce",): ["in/run_a", "--limit", "1"],
+    ("size",): ["--model", "tiny-random", "--dtype", "float32", "--limit", "2", "--seconds", "60",
+                "--max-new-tokens", "2", "--batch-size", "2", "--out", "out/sizing.json"],
 }
 
 # Known-bad values of free-form string options, per (command, option) or option.

@@ -38,6 +38,7 @@ _MODULES = (
     "check_cmd",
     "reproduce_cmd",
     "view_cmd",
+    "size_cmd",
 )
 DEBUG_ENV = "RETENTION_DEBUG"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -12,3 +13,16 @@ splits_dir_option = click.option(
     "--splits-dir", type=click.Path(file_okay=False, path_type=Path), default=None, envvar=SPLITS_ENV,
     help=f"Directory holding the split manifest [default: ${SPLITS_ENV}, else splits/ of the checkout "
          "run from, else splits/ beside the package].")
+
+
+def bounded(name, lo, hi, lo_open=False):
+    """A callback refusing values outside [lo, hi] (or (lo, hi]) and non-finite floats (click's
+    FloatRange lets nan through: every comparison with it is false)."""
+    def check(ctx, param, value):
+        if value is None:
+            return value
+        if not math.isfinite(value) or (value <= lo if lo_open else value < lo) or value > hi:
+            raise click.BadParameter(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param_hint=name)
+        return value
+
+    return check

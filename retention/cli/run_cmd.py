@@ -9,22 +9,9 @@ import click
 
 from protocol.io import check_writable_dir
 from retention.runs.arms import ENGINES, validate_arm
-from retention.cli.options import splits_dir_option
+from retention.cli.options import bounded, splits_dir_option
 from retention.errors import RetentionError
 from retention.runs.jobs import budget_from_bytes, execute
-
-def _bounded(name, lo, hi, lo_open=False):
-    """A callback refusing values outside [lo, hi] (or (lo, hi]) and non-finite floats (click's
-    FloatRange lets nan through: every comparison with it is false)."""
-    def check(ctx, param, value):
-        if value is None:
-            return value
-        if not math.isfinite(value) or (value <= lo if lo_open else value < lo) or value > hi:
-            raise click.BadParameter(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param_hint=name)
-        return value
-
-    return check
-
 
 def _positive(name):
     def check(ctx, param, value):
@@ -111,7 +98,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
-@click.option("--batch-size", type=int, default=None, callback=_bounded("--batch-size", 1, 65536),
+@click.option("--batch-size", type=int, default=None, callback=bounded("--batch-size", 1, 65536),
               help="Sequences decoded together, the slot count of every decode step (continuous batching; recorded, "
                    "and a resume keeps it). Default: as many as the caches fit in half the memory available "
                    "(at most 64 on a CPU, 256 on CUDA), printed.")
@@ -123,11 +110,11 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
               help="Run --shards N shards as Ray tasks and merge them: alone, a private local cluster; "
                    "with ADDRESS (auto, ray://head:10001) an existing cluster. Needs `pip install 'retention[ray]'`.")
 @click.option("--shards", type=int, default=None, help="With --ray: number of shards (e.g. one per GPU).")
-@click.option("--gpus-per-shard", type=float, default=None, callback=_bounded("--gpus-per-shard", 0, 1024),
+@click.option("--gpus-per-shard", type=float, default=None, callback=bounded("--gpus-per-shard", 0, 1024),
               help="With --ray: GPUs per shard [default: 1 with --device cuda, else 0 (CPU workers)].")
-@click.option("--cpus-per-shard", type=float, default=None, callback=_bounded("--cpus-per-shard", 0, 1024, lo_open=True),
+@click.option("--cpus-per-shard", type=float, default=None, callback=bounded("--cpus-per-shard", 0, 1024, lo_open=True),
               help="With --ray: CPUs per shard [default: 1].")
-@click.option("--retries", type=int, default=None, callback=_bounded("--retries", 0, 100),
+@click.option("--retries", type=int, default=None, callback=bounded("--retries", 0, 100),
               help="With --ray: times a shard whose worker died is restarted (it resumes from its records) [default: 3].")
 @click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True,
               help="hf: this project's batched engine (every model and scorer; a DeepSeek-V2/V3 checkpoint "

@@ -1,0 +1,64 @@
+"""`retention size`: how many problems of a job fit in the time left on this host (`retention.runs.sizing`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import click
+
+from retention.cli.options import bounded, splits_dir_option
+
+
+@click.command("size")
+@click.option("--model", required=True, help="Model alias or local folder (as `retention run`).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="bfloat16", show_default=True)
+@click.option("--limit", "requested", type=click.IntRange(min=1, max=201), required=True,
+              help="Problems the job asks for (the most it will run).")
+@click.option("--seconds", type=float, required=True, callback=bounded("--seconds", -1e9, 1e9),
+              help="Seconds the job has left (0 or less: none; one problem runs).")
+@click.option("--max-new-tokens", "tokens", type=click.IntRange(min=1, max=1 << 20), required=True)
+@click.option("--batch-size", "batch", type=click.IntRange(min=1, max=1024), required=True,
+              help="The job's slot count.")
+@click.option("--retention-arms", type=click.IntRange(min=0, max=64), default=2, show_default=True,
+              help="Arms decoding a budget cache.")
+@click.option("--full-arms", type=click.IntRange(min=0, max=64), default=1, show_default=True,
+              help="Arms decoding the full cache.")
+@click.option("--fidelity/--no-fidelity", default=True, show_default=True,
+              help="The retention arms decode a full cache alongside (the fidelity proxy).")
+@click.option("--commands", type=click.IntRange(min=1, max=64), default=2, show_default=True,
+              help="Run commands of the job (each loads the model once).")
+@click.option("--margin", type=float, default=0.8, show_default=True, callback=bounded("--margin", 0.05, 1.0),
+              help="Share of the seconds left that the prediction may fill.")
+@click.option("--out", "note", type=click.Path(dir_okay=False), default=None,
+              help="Write the decision as JSON to this file (a runs folder's sizing.json: `retention report` "
+                   "states it).")
+@splits_dir_option
+def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms, full_arms, fidelity, commands,
+                 margin, note, splits_dir):
+    """Measure this host's decode step on MODEL and print the largest problem count, at most --limit,
+    whose pessimistic predicted time fits --seconds (stdout: the number alone; stderr: why)."""
+    from retention.models import load_model
+    from retention.runs.sizing import JobShape, size_job, write_note
+
+    from protocol.io import check_writable
+    from protocol.splits import load_split
+
+    if retention_arms + full_arms == 0:
+        raise click.UsageError("a job needs at least one arm (--retention-arms or --full-arms)")
+    if note:
+        check_writable(Path(note), "--out")  # before the model loads
+    problems = load_split("dev", splits_dir=splits_dir)
+    t0 = time.perf_counter()
+    loaded = load_model(model, dtype=dtype, device="cpu")
+    load_seconds = time.perf_counter() - t0
+    shape = JobShape(tokens=tokens, batch=batch, retention_arms=retention_arms, full_arms=full_arms,
+                     fidelity=fidelity, commands=commands)
+    sizing = size_job(loaded, problems, shape, requested, seconds - (time.perf_counter() - t0), load_seconds, margin)
+    if note:
+        write_note(sizing, Path(note), loaded.name)
+    click.echo(f"retention size: {sizing.line()}", err=True)
+    click.echo(str(sizing.problems))
+
+
+commands = [size_command]

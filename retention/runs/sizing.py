@@ -1,0 +1,148 @@
+"""Sizing a job to a host: how many problems fit in a time budget, from a short measurement.
+
+Hosts differ (the same batch-1 decode ran 4x slower on one than on another), so a job meant to take
+minutes can take an hour. `retention size` measures this host's decode step and picks the largest
+problem count, at most the requested one, whose predicted time fits the seconds left; the job then
+runs that many and says so on the terminal and, through the note it writes into the runs folder
+(`sizing.json`, `protocol.runs.SIZING_NOTE`), in the report.
+
+The prediction is deliberately pessimistic and simple. A run of `P` problems at `S` slots decodes
+`ceil(P / S')` waves of `T` steps at `S' = min(S, P)` slots (every slot of a wave decodes until its
+longest answer ends, at worst `T` tokens). One job step is one decode of every cache the job's arms
+carry: a retention arm its budget cache, plus a full cache when it carries the fidelity proxy; a full
+arm a full cache. Each is priced at one measured full-cache decode step of the job's first prompt:
+on the models a CPU runs (0.5B and smaller) a step's time is the weights read and multiplied, the
+attention over a few hundred tokens a few percent of it, so the budget cache and the full cache's
+later steps cost about the same (the margin below covers the rest). The step time at `S'` slots
+comes from a line through the measured 1 and `S` slots (`t(S) = a + b S`: the weights are read once
+per step, the arithmetic grows with the rows). Each run command also loads the model once
+(measured here). The time left is shrunk by `margin` for what the model does not cover (prefill,
+compactions, grading, the report and the viewer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from protocol.runs import SIZING_NOTE
+from retention.runs.bench import speed_rows
+
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """What a job decodes: `retention_arms` arms at the budget (each with a full cache alongside when
+    `fidelity`), `full_arms` full-cache arms, `commands` run commands (one model load each)."""
+
+    tokens: int
+    batch: int
+    retention_arms: int = 2
+    full_arms: int = 1
+    fidelity: bool = True
+    commands: int = 2
+
+    def full_caches(self) -> int:
+        """Full-cache decodes per job step."""
+        return self.full_arms + (self.retention_arms if self.fidelity else 0)
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """Seconds of one decode step of one cache at `S` slots: `a + b S`."""
+
+    a: float
+    b: float
+
+    def job_step(self, shape: JobShape, slots: int) -> float:
+        return (shape.retention_arms + shape.full_caches()) * (self.a + self.b * slots)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The decision, as the note records it."""
+
+    requested: int
+    problems: int
+    seconds_left: float
+    predicted_seconds: float
+    load_seconds: float
+    margin: float
+    shape: dict
+    steps: dict
+
+    @property
+    def reduced(self) -> bool:
+        return self.problems < self.requested
+
+    def line(self) -> str:
+        fit = "fits" if self.predicted_seconds <= self.seconds_left * self.margin else "does not fit"
+        what = (f"sized to {self.problems} of {self.requested} problems" if self.reduced
+                else f"all {self.requested} problems fit")
+        return (f"{what}: predicted {self.predicted_seconds:.0f} s of the {self.seconds_left:.0f} s left "
+                f"({fit} within {100 * self.margin:.0f}% of it) from a measured decode step "
+                f"({self.steps['step_ms'][0]:.1f} ms at {self.steps['slots'][0]} slot, "
+                f"{self.steps['step_ms'][-1]:.1f} ms at {self.steps['slots'][-1]})")
+
+
+def predicted_seconds(problems: int, shape: JobShape, line: StepLine, load_seconds: float) -> float:
+    """The pessimistic time of the job at `problems` problems (module doc)."""
+    slots = min(shape.batch, problems)
+    waves = math.ceil(problems / slots)
+    return shape.commands * load_seconds + waves * shape.tokens * line.job_step(shape, slots)
+
+
+def fit_problems(requested: int, shape: JobShape, line: StepLine, load_seconds: float, seconds_left: float,
+                 margin: float) -> tuple[int, float]:
+    """The largest `P <= requested` whose predicted time is within `margin * seconds_left` (at least 1:
+    a job that cannot fit one problem still runs one, and the line says it does not fit)."""
+    for p in range(requested, 0, -1):
+        t = predicted_seconds(p, shape, line, load_seconds)
+        if t <= margin * seconds_left:
+            return p, t
+    return 1, predicted_seconds(1, shape, line, load_seconds)
+
+
+def step_line(points: list[tuple[int, float]]) -> StepLine:
+    """The line through the first and last (slots, seconds) points, slope and intercept clipped at 0
+    (timing noise can tilt a short measurement); one slot count: all of it per row."""
+    (s0, t0), (s1, t1) = points[0], points[-1]
+    if s1 == s0:
+        return StepLine(0.0, t1 / s1)
+    b = max((t1 - t0) / (s1 - s0), 0.0)
+    return StepLine(max(t1 - b * s1, 0.0), b)
+
+
+def measure_step_line(loaded, problems, shape: JobShape, steps: int = 6) -> tuple[StepLine, dict]:
+    """The median of `steps` full-cache decode steps of the first problem's prompt at 1 and at
+    `shape.batch` slots (the engine's own step, as `retention bench` times it)."""
+    from retention.models import format_prompt
+
+    prompt = format_prompt(loaded.tokenizer, problems[0].problem, getattr(loaded, "prompt", "chat"))
+    points = []
+    for s in sorted({1, shape.batch}):
+        (row,) = speed_rows(loaded, prompt, ["full"], 0, steps + 1, ["mean"], s, None, {}, None)
+        points.append((s, row["step_ms_median"] / 1e3))
+    return step_line(points), {"slots": [s for s, _ in points], "step_ms": [1e3 * t for _, t in points],
+                               "prompt_tokens": len(prompt), "steps": steps}
+
+
+def size_job(loaded, problems, shape: JobShape, requested: int, seconds_left: float, load_seconds: float,
+             margin: float = 0.8) -> Sizing:
+    """Measure this host (`measure_step_line`) and fit the problem count (`fit_problems`)."""
+    line, figures = measure_step_line(loaded, problems, shape)
+    n, t = fit_problems(min(requested, len(problems)), shape, line, load_seconds, seconds_left, margin)
+    return Sizing(requested=requested, problems=n, seconds_left=seconds_left, predicted_seconds=t,
+                  load_seconds=load_seconds, margin=margin, shape=asdict(shape),
+                  steps=figures)
+
+
+def write_note(sizing: Sizing, path: Path, model: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model": model, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                               "line": sizing.line(), **asdict(sizing)}, indent=1) + "\n")
+    tmp.replace(path)

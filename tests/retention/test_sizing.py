@@ -1,0 +1,103 @@
+"""Sizing a job to the host (retention.runs.sizing, `retention size`, scripts/main_job.sh with DEADLINE):
+the cost model recomputed by hand, the choice at its boundary, and the job as `make run` runs it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from retention.cli import main
+from retention.runs.sizing import JobShape, StepLine, fit_problems, predicted_seconds, step_line
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def by_hand(p, tokens, batch, caches, a, b, load, commands):
+    s = min(batch, p)
+    return commands * load + math.ceil(p / s) * tokens * caches * (a + b * s)
+
+
+@pytest.mark.parametrize("fidelity", [True, False])
+def test_the_prediction_is_the_stated_cost_model(fidelity):
+    shape = JobShape(tokens=300, batch=8, retention_arms=2, full_arms=1, fidelity=fidelity, commands=2)
+    line = StepLine(a=0.02, b=0.003)
+    caches = 2 + 1 + (2 if fidelity else 0)
+    for p in (1, 3, 8, 9, 16, 17, 40):
+        assert predicted_seconds(p, shape, line, 5.0) == pytest.approx(by_hand(p, 300, 8, caches, 0.02, 0.003, 5.0, 2))
+
+
+def test_the_largest_problem_count_that_fits_is_chosen():
+    """Every time left from nothing to more than enough: the choice is the largest count whose
+    prediction is within the margin, never more than asked, and 1 when nothing fits."""
+    shape = JobShape(tokens=200, batch=8)
+    line = StepLine(a=0.01, b=0.002)
+    need = {p: by_hand(p, 200, 8, 5, 0.01, 0.002, 3.0, 2) for p in range(1, 17)}
+    for left in [0.0, 10.0, need[1] / 0.8, need[5] / 0.8 + 1e-6, need[8] / 0.8, need[9] / 0.8 - 1e-6, 1e6]:
+        p, t = fit_problems(16, shape, line, 3.0, left, 0.8)
+        fitting = [q for q in need if need[q] <= 0.8 * left]
+        assert p == (max(fitting) if fitting else 1) and t == pytest.approx(need[p])
+    assert fit_problems(16, shape, line, 3.0, 1e6, 0.8)[0] == 16
+
+
+def test_the_step_line_goes_through_its_two_points_and_never_below_zero():
+    line = step_line([(1, 0.05), (16, 0.2)])
+    assert line.a + line.b == pytest.approx(0.05) and line.a + 16 * line.b == pytest.approx(0.2)
+    flat = step_line([(1, 0.3), (16, 0.2)])  # noise tilted it: no negative slope
+    assert flat.b == 0.0 and flat.a == pytest.approx(0.2)
+    one = step_line([(4, 0.2)])
+    assert one.a == 0.0 and one.b == pytest.approx(0.05)
+
+
+def test_size_prints_the_count_and_writes_the_note(tmp_path):
+    note = tmp_path / "runs" / "sizing.json"
+    res = CliRunner().invoke(main, ["size", "--model", "tiny-random", "--dtype", "float32", "--limit", "6",
+                                    "--seconds", "3600", "--max-new-tokens", "16", "--batch-size", "4",
+                                    "--out", str(note)])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == "6" and "all 6 problems fit" in res.stderr
+    got = json.loads(note.read_text())
+    assert got["problems"] == 6 and got["requested"] == 6 and got["steps"]["slots"] == [1, 4]
+    assert got["predicted_seconds"] == pytest.approx(predicted_seconds(
+        6, JobShape(**got["shape"]), step_line(list(zip(got["steps"]["slots"],
+                                                        [t / 1e3 for t in got["steps"]["step_ms"]]))),
+        got["load_seconds"]))
+    # a host with no time left: one problem, and the line says it does not fit
+    res = CliRunner().invoke(main, ["size", "--model", "tiny-random", "--dtype", "float32", "--limit", "6",
+                                    "--seconds", "0", "--max-new-tokens", "100000", "--batch-size", "4"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == "1" and "sized to 1 of 6 problems" in res.stderr and "does not fit" in res.stderr
+
+
+def test_size_refuses_a_job_without_arms():
+    res = CliRunner().invoke(main, ["size", "--model", "tiny-random", "--limit", "6", "--seconds", "60",
+                                    "--max-new-tokens", "16", "--batch-size", "4", "--retention-arms", "0",
+                                    "--full-arms", "0"])
+    assert res.exit_code != 0 and "at least one arm" in res.output
+
+
+def test_the_main_job_with_a_deadline_states_its_sizing_in_the_report(tmp_path):
+    """scripts/main_job.sh as `make run` runs it (DEADLINE set): the runs hold the count `retention
+    size` chose, and the report prints the note."""
+    cli = tmp_path / "retention"
+    cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m retention.cli "$@"\n')
+    cli.chmod(0o755)
+    out = tmp_path / "job"
+    env = dict(os.environ, MODEL="tiny-random", PROBLEMS="3", TOKENS="12", BATCH="4", BUDGET="40", DTYPE="float32",
+               DEADLINE=str(int(time.time()) + 3600), OMP_NUM_THREADS="1")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "main_job.sh"), str(cli), str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    note = json.loads((out / "runs" / "sizing.json").read_text())
+    assert note["problems"] == 3 and "retention size: all 3 problems fit" in res.stderr
+    assert "note: tiny-random: this job was all 3 problems fit" in res.stdout
+    for d in (out / "runs").iterdir():
+        if d.is_dir():
+            assert len((d / "records.jsonl").read_text().splitlines()) == 3
