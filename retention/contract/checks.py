@@ -3,7 +3,10 @@
 `run_checks(spec, params)` decodes twelve requests on `tiny-random` in float64 (where batched and
 single decodes agree to the last token) under budget 20, interval 4 (b = 17: every prompt but the
 shortest is compacted at prefill, and rows fall due together and apart), greedy, EOS ids chosen to
-end sequences at different steps, and returns one `CheckResult` per check:
+end sequences at different steps, and returns one `CheckResult` per check. A cadence that lets a row
+store more than the interval above `b` (`span > N`, e.g. `newline`'s wait for a line break) is
+checked at the budget that keeps `b = 17` under its span and a decode longer by `span - N` tokens, so
+that every row falls due within the decode (`_Kit.budget`, `_Kit.new_tokens`):
 
 * kept count: every compaction keeps exactly the cadence's k distinct tokens per row (and head); an
   allocating routing's compaction keeps each head's count, the counts of every row summing to
@@ -82,8 +85,15 @@ class _Kit:
         check_scorer_reads(spec, resolve_model("tiny-random"), "float32")  # what `run` checks, first
         self.loaded = load_model("tiny-random")
         self.params = _stats_for(params, spec, self.loaded.model, tmp)
-        self.arm = validate_arm({"model": "tiny-random", "scorer": spec, "scorer_params": self.params,
-                                 "budget": BUDGET, "interval": INTERVAL, **(mechanisms or {})})
+        arm = {"model": "tiny-random", "scorer": spec, "scorer_params": self.params, "interval": INTERVAL,
+               **(mechanisms or {})}
+        # The cadence's span at a budget any span fits, then the budget that keeps b at the fixed
+        # cadence's (module doc): b = B - span//2 - 1 in mean accounting.
+        span = validate_arm(dict(arm, budget=1 << 16)).cadence.span
+        b = BUDGET - INTERVAL // 2 - 1
+        self.budget = max(BUDGET, b + span // 2 + 1)
+        self.new_tokens = NEW_TOKENS + max(0, span - INTERVAL)
+        self.arm = validate_arm(dict(arm, budget=self.budget))
         self.make = lambda: make_scorer(spec, **self.arm.scorer_params)  # noqa: E731
         self.m64 = copy.deepcopy(self.loaded.model).to(torch.float64)
         self.sc0 = self.make()
@@ -97,8 +107,9 @@ class _Kit:
         return (CheckedPolicy if checked else RetentionPolicy)(scorer, p.cadence, Phased(p.routing, scorer),
                                                                Phased(p.state, scorer), p.decoding)
 
-    def decode(self, batch_size: int, eos=frozenset(), checks=True, scorer=None, new_tokens=NEW_TOKENS):
+    def decode(self, batch_size: int, eos=frozenset(), checks=True, scorer=None, new_tokens=None):
         """One engine run over PROMPTS: ({seed: Generation}, probe, policy, engine stats)."""
+        new_tokens = new_tokens or self.new_tokens
 
         probe = Probe(scorer or self.make(), checks=checks)
         policy = self.policy(probe, checks)
@@ -202,10 +213,10 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
                                    "buffers hold the kept positions; stored = meter = bytes after every forward"))
         if kit.arm.policy().routing.allocates:
             results.append(_allocation(p8, kit))
-        over = [f"sequence {i}: mean {g.meter.mean:.2f} > {BUDGET}" for gens in (g1, g8)
+        over = [f"sequence {i}: mean {g.meter.mean:.2f} > {kit.budget}" for gens in (g1, g8)
                 for i, g in sorted(gens.items()) if g.meter.exceeded]
         worst = max((g.meter.mean for g in g8.values()), default=0.0)
-        results.append(_violations("mean budget held", over, f"largest mean cache {worst:.2f} <= budget {BUDGET}"
+        results.append(_violations("mean budget held", over, f"largest mean cache {worst:.2f} <= budget {kit.budget}"
                                    if evicts else "never evicts (no budget)"))
         diff = _same(g1, g8, p1, p8)
         lengths = sorted({len(g.token_ids) for g in g8.values()})
@@ -256,7 +267,7 @@ def _padded_views(kit: _Kit) -> Probe:
     # less than the interval, whatever tokens the scorer leads to.
     b = kit.cadence.nominal
     reqs = [Request(i, list(range(3, 3 + n)), i) for i, n in enumerate(range(max(1, b - 3), b + 1))]
-    run_engine(kit.m64, reqs, _PaddingPolicy(probe, kit.cadence), SamplingConfig(max_new_tokens=NEW_TOKENS,
+    run_engine(kit.m64, reqs, _PaddingPolicy(probe, kit.cadence), SamplingConfig(max_new_tokens=kit.new_tokens,
                ignore_eos=True), set(), 1.0, batch_size=8)
     probe.view_rows = [n for n, padded in zip(probe.view_rows, probe.padded) if padded]
     return probe
@@ -296,8 +307,8 @@ def _resume(kit: _Kit) -> CheckResult:
     loaded = dataclasses.replace(kit.loaded, model=kit.m64)
     problems = [SimpleNamespace(unique_id=f"p{i}", problem="What is " + "1+" * (3 + 5 * i) + "1?", answer="1")
                 for i in range(6)]
-    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.6, "top_p": 0.95, "ignore_eos": False}
-    config = {"model": "tiny-random-float64", "scorer": kit.spec, "budget": BUDGET, "interval": INTERVAL}
+    sampling = {"max_new_tokens": kit.new_tokens, "temperature": 0.6, "top_p": 0.95, "ignore_eos": False}
+    config = {"model": "tiny-random-float64", "scorer": kit.spec, "budget": kit.budget, "interval": INTERVAL}
 
     def run(path: Path, stop_after: int | None = None):
         rd = RunDir(path, config)
@@ -339,7 +350,7 @@ def _host_reads(kit: _Kit) -> CheckResult:
         reqs = [Request(i, p, i) for i, p in enumerate(PROMPTS)]
         with count_host_reads(probe) as counts:
             stats = run_engine(kit.m64, reqs, kit.policy(probe, checked=False),
-                               SamplingConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True), set(), 1.0, batch_size=8)
+                               SamplingConfig(max_new_tokens=kit.new_tokens, ignore_eos=True), set(), 1.0, batch_size=8)
         return counts, stats, probe
 
     counts, stats, probe = decode()

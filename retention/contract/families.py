@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from retention.contract.checks import BUDGET, CheckResult, _guard, _Kit, run_checks
+from retention.contract.checks import CheckResult, _guard, _Kit, run_checks
 from retention.errors import RetentionError
 from retention.runs.scorer_options import scorer_fields
 from retention.runtime.mechanisms import FAMILIES, mechanism_class
@@ -104,12 +104,12 @@ def _trivial_exact(family: str, name: str, trivial: dict, scorer: str, tmp: Path
 def _bytes_held(family: str, entry: dict, scorer: str, tmp: Path) -> CheckResult:
     kit = _Kit(scorer, {}, tmp / "bytes", {family: entry})
     gens, _, _, _ = kit.decode(8, checks=False)
-    limit = BUDGET * 1.0  # the kit decodes at 1 KiB per full-precision token
+    limit = kit.budget * 1.0  # the kit decodes at 1 KiB per full-precision token
     over = [f"sequence {k}: mean {g.meter.mean_kib:.3f} KiB > {limit:.3f}" for k, g in sorted(gens.items())
             if g.meter.mean_kib > limit + 1e-9]
     worst = max(g.meter.mean_kib for g in gens.values())
     return CheckResult("budget held in bytes", not over, "; ".join(over[:3]) or
-                       f"largest mean {worst:.3f} KiB <= {limit:.3f} KiB (budget {BUDGET} tokens in full precision)")
+                       f"largest mean {worst:.3f} KiB <= {limit:.3f} KiB (budget {kit.budget} tokens in full precision)")
 
 
 def _error_bound(name: str, params: dict) -> CheckResult:

@@ -225,7 +225,7 @@ def test_mechanism_plugins_from_a_file_run_and_are_identified(tmp_path):
 
 @pytest.mark.parametrize(("target", "params"), [
     ("state:quant", {}), ("state:merge", {}), ("decoding:loop-guard", {}),
-    ("cadence:newline", {"max_wait": 4}), ("routing:pyramidkv", {}), ("routing:adakv", {}),
+    ("cadence:newline", {"max_wait": 4}), ("cadence:newline", {}), ("routing:pyramidkv", {}), ("routing:adakv", {}),
 ])
 def test_every_builtin_mechanism_passes_its_checks(target, params):
     family, name = target.split(":")
