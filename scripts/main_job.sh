@@ -12,7 +12,8 @@
 #   4. the viewer (`retention view`): a static site of the runs, problem by problem, in $OUT/viewer.
 # With DEADLINE (a Unix time; `make run` sets it 10 minutes after make started), the job is sized to
 # this host after calibrating: `retention size` measures a decode step and the runs take the largest
-# problem count, at most PROBLEMS, predicted to finish before it (the terminal and the report say so).
+# problem count and token limit, at most PROBLEMS and TOKENS, predicted to finish before it (the
+# terminal and the report say so).
 # SmolLM2-135M cannot solve MATH problems (accuracy ~0 for every arm; the fidelity columns are what it
 # measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see the README (GPU section).
 set -euo pipefail
@@ -34,8 +35,9 @@ fi
 # Size the job to this host when a deadline is set (its note lands in the runs folder, where the report reads it).
 note="$OUT/runs/sizing.json"
 if [ -n "${DEADLINE:-}" ]; then
-  PROBLEMS=$("$RETENTION" size --model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --seconds "$(( DEADLINE - $(date +%s) ))" \
+  sized=$("$RETENTION" size --model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --seconds "$(( DEADLINE - $(date +%s) ))" \
     --max-new-tokens "$TOKENS" --batch-size "$BATCH" --retention-arms 2 --full-arms 1 --commands 2 --out "$note")
+  read -r PROBLEMS TOKENS <<< "$sized"
 else
   rm -f "$note"  # an earlier sized job's note would misstate this one
 fi

@@ -28,6 +28,10 @@ from retention.cli.options import bounded, splits_dir_option
               help="The retention arms decode a full cache alongside (the fidelity proxy).")
 @click.option("--commands", type=click.IntRange(min=1, max=64), default=2, show_default=True,
               help="Run commands of the job (each loads the model once).")
+@click.option("--min-problems", type=click.IntRange(min=1, max=201), default=2, show_default=True,
+              help="Fewest problems the job may be cut to (a paired report needs two).")
+@click.option("--min-tokens", type=click.IntRange(min=1, max=1 << 20), default=128, show_default=True,
+              help="Shortest token limit the job may be cut to.")
 @click.option("--margin", type=float, default=0.8, show_default=True, callback=bounded("--margin", 0.05, 1.0),
               help="Share of the seconds left that the prediction may fill.")
 @click.option("--out", "note", type=click.Path(dir_okay=False), default=None,
@@ -35,9 +39,10 @@ from retention.cli.options import bounded, splits_dir_option
                    "states it).")
 @splits_dir_option
 def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms, full_arms, fidelity, commands,
-                 margin, note, splits_dir):
-    """Measure this host's decode step on MODEL and print the largest problem count, at most --limit,
-    whose pessimistic predicted time fits --seconds (stdout: the number alone; stderr: why)."""
+                 min_problems, min_tokens, margin, note, splits_dir):
+    """Measure this host's decode step on MODEL and print the problem count and token limit, at most
+    --limit and --max-new-tokens, whose pessimistic predicted time fits --seconds (stdout: `P T`;
+    stderr: why; `retention.runs.sizing`)."""
     from retention.models import load_model
     from retention.runs.sizing import JobShape, size_job, write_note
 
@@ -54,11 +59,12 @@ def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms
     load_seconds = time.perf_counter() - t0
     shape = JobShape(tokens=tokens, batch=batch, retention_arms=retention_arms, full_arms=full_arms,
                      fidelity=fidelity, commands=commands)
-    sizing = size_job(loaded, problems, shape, requested, seconds - (time.perf_counter() - t0), load_seconds, margin)
+    sizing = size_job(loaded, problems, shape, requested, seconds - (time.perf_counter() - t0), load_seconds, margin,
+                      min_problems, min_tokens)
     if note:
         write_note(sizing, Path(note), loaded.name)
     click.echo(f"retention size: {sizing.line()}", err=True)
-    click.echo(str(sizing.problems))
+    click.echo(f"{sizing.problems} {sizing.tokens}")
 
 
 commands = [size_command]

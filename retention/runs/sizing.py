@@ -1,10 +1,16 @@
 """Sizing a job to a host: how many problems fit in a time budget, from a short measurement.
 
 Hosts differ (the same batch-1 decode ran 4x slower on one than on another), so a job meant to take
-minutes can take an hour. `retention size` measures this host's decode step and picks the largest
-problem count, at most the requested one, whose predicted time fits the seconds left; the job then
-runs that many and says so on the terminal and, through the note it writes into the runs folder
+minutes can take an hour. `retention size` measures this host's decode step and picks the problem
+count and token limit, at most the requested ones, whose predicted time fits the seconds left; the
+job then runs those and says so on the terminal and, through the note it writes into the runs folder
 (`sizing.json`, `protocol.runs.SIZING_NOTE`), in the report.
+
+Which pair: the one generating the most tokens (`P x T`), longer answers first among equals, with
+`T` on a grid of 64 tokens between `min_tokens` and the requested `T` and `P` at least `min_problems`
+(a paired report needs two). On a CPU a decode step costs nearly the same at 1 and at 16 slots
+(the weights are read once per step), so a slow host keeps its problems and shortens the answers
+before it drops problems; more truncated answers is the price, and the note says it.
 
 The prediction is deliberately pessimistic and simple. A run of `P` problems at `S` slots decodes
 `ceil(P / S')` waves of `T` steps at `S' = min(S, P)` slots (every slot of a wave decodes until its
@@ -22,6 +28,7 @@ compactions, grading, the report and the viewer).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -67,6 +74,8 @@ class Sizing:
 
     requested: int
     problems: int
+    requested_tokens: int
+    tokens: int
     seconds_left: float
     predicted_seconds: float
     load_seconds: float
@@ -76,12 +85,13 @@ class Sizing:
 
     @property
     def reduced(self) -> bool:
-        return self.problems < self.requested
+        return self.problems < self.requested or self.tokens < self.requested_tokens
 
     def line(self) -> str:
         fit = "fits" if self.predicted_seconds <= self.seconds_left * self.margin else "does not fit"
-        what = (f"sized to {self.problems} of {self.requested} problems" if self.reduced
-                else f"all {self.requested} problems fit")
+        what = (f"sized to {self.problems} of {self.requested} problems at {self.tokens} of {self.requested_tokens} "
+                "new tokens" if self.reduced else
+                f"all {self.requested} problems at {self.tokens} new tokens fit")
         return (f"{what}: predicted {self.predicted_seconds:.0f} s of the {self.seconds_left:.0f} s left "
                 f"({fit} within {100 * self.margin:.0f}% of it) from a measured decode step "
                 f"({self.steps['step_ms'][0]:.1f} ms at {self.steps['slots'][0]} slot, "
@@ -89,21 +99,29 @@ class Sizing:
 
 
 def predicted_seconds(problems: int, shape: JobShape, line: StepLine, load_seconds: float) -> float:
-    """The pessimistic time of the job at `problems` problems (module doc)."""
+    """The pessimistic time of the job at `problems` problems of `shape.tokens` new tokens (module doc)."""
     slots = min(shape.batch, problems)
     waves = math.ceil(problems / slots)
     return shape.commands * load_seconds + waves * shape.tokens * line.job_step(shape, slots)
 
 
-def fit_problems(requested: int, shape: JobShape, line: StepLine, load_seconds: float, seconds_left: float,
-                 margin: float) -> tuple[int, float]:
-    """The largest `P <= requested` whose predicted time is within `margin * seconds_left` (at least 1:
-    a job that cannot fit one problem still runs one, and the line says it does not fit)."""
-    for p in range(requested, 0, -1):
-        t = predicted_seconds(p, shape, line, load_seconds)
-        if t <= margin * seconds_left:
-            return p, t
-    return 1, predicted_seconds(1, shape, line, load_seconds)
+def fit_job(requested: int, shape: JobShape, line: StepLine, load_seconds: float, seconds_left: float,
+            margin: float, min_problems: int = 2, min_tokens: int = 128) -> tuple[int, int, float]:
+    """(P, T, predicted seconds): of the pairs within `margin * seconds_left`, the one with the most
+    tokens `P x T`, then the larger `T` (module doc). When none fits, the smallest job
+    (`min_problems`, `min_tokens`, each at most what was asked), and the line says it does not fit."""
+    low_p, low_t = min(min_problems, requested), min(min_tokens, shape.tokens)
+    grid = sorted({shape.tokens, *range(low_t, shape.tokens, 64)}, reverse=True)
+    best = None
+    for t in grid:
+        sized = dataclasses.replace(shape, tokens=t)
+        p = next((p for p in range(requested, low_p - 1, -1)
+                  if predicted_seconds(p, sized, line, load_seconds) <= margin * seconds_left), None)
+        if p is not None and (best is None or (p * t, t) > (best[0] * best[1], best[1])):
+            best = (p, t, predicted_seconds(p, sized, line, load_seconds))
+    if best is None:
+        return low_p, low_t, predicted_seconds(low_p, dataclasses.replace(shape, tokens=low_t), line, load_seconds)
+    return best
 
 
 def step_line(points: list[tuple[int, float]]) -> StepLine:
@@ -131,11 +149,13 @@ def measure_step_line(loaded, problems, shape: JobShape, steps: int = 6) -> tupl
 
 
 def size_job(loaded, problems, shape: JobShape, requested: int, seconds_left: float, load_seconds: float,
-             margin: float = 0.8) -> Sizing:
-    """Measure this host (`measure_step_line`) and fit the problem count (`fit_problems`)."""
+             margin: float = 0.8, min_problems: int = 2, min_tokens: int = 128) -> Sizing:
+    """Measure this host (`measure_step_line`) and fit the job (`fit_job`)."""
     line, figures = measure_step_line(loaded, problems, shape)
-    n, t = fit_problems(min(requested, len(problems)), shape, line, load_seconds, seconds_left, margin)
-    return Sizing(requested=requested, problems=n, seconds_left=seconds_left, predicted_seconds=t,
+    n, tokens, t = fit_job(min(requested, len(problems)), shape, line, load_seconds, seconds_left, margin,
+                           min_problems, min_tokens)
+    return Sizing(requested=requested, problems=n, requested_tokens=shape.tokens, tokens=tokens,
+                  seconds_left=seconds_left, predicted_seconds=t,
                   load_seconds=load_seconds, margin=margin, shape=asdict(shape),
                   steps=figures)
 

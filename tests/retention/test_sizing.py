@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from retention.cli import main
-from retention.runs.sizing import JobShape, StepLine, fit_problems, predicted_seconds, step_line
+from retention.runs.sizing import JobShape, StepLine, fit_job, predicted_seconds, step_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,17 +34,25 @@ def test_the_prediction_is_the_stated_cost_model(fidelity):
         assert predicted_seconds(p, shape, line, 5.0) == pytest.approx(by_hand(p, 300, 8, caches, 0.02, 0.003, 5.0, 2))
 
 
-def test_the_largest_problem_count_that_fits_is_chosen():
-    """Every time left from nothing to more than enough: the choice is the largest count whose
-    prediction is within the margin, never more than asked, and 1 when nothing fits."""
-    shape = JobShape(tokens=200, batch=8)
+def test_the_job_that_generates_the_most_tokens_within_the_margin_is_chosen():
+    """Every time left from nothing to more than enough: the choice is, among all (P, T) on the grid
+    whose hand-computed time is within the margin, the most P x T (then the longest T); never more
+    than asked, and the smallest job when nothing fits."""
+    shape = JobShape(tokens=300, batch=8)
     line = StepLine(a=0.01, b=0.002)
-    need = {p: by_hand(p, 200, 8, 5, 0.01, 0.002, 3.0, 2) for p in range(1, 17)}
-    for left in [0.0, 10.0, need[1] / 0.8, need[5] / 0.8 + 1e-6, need[8] / 0.8, need[9] / 0.8 - 1e-6, 1e6]:
-        p, t = fit_problems(16, shape, line, 3.0, left, 0.8)
-        fitting = [q for q in need if need[q] <= 0.8 * left]
-        assert p == (max(fitting) if fitting else 1) and t == pytest.approx(need[p])
-    assert fit_problems(16, shape, line, 3.0, 1e6, 0.8)[0] == 16
+    grid = [300, 256, 192, 128]  # 64-token steps from min_tokens, plus the requested limit
+    need = {(p, t): by_hand(p, t, 8, 5, 0.01, 0.002, 3.0, 2) for p in range(2, 17) for t in grid}
+    for left in [0.0, 10.0, need[(2, 128)] / 0.8, need[(8, 300)] / 0.8 + 1e-6, need[(9, 300)] / 0.8 - 1e-6,
+                 need[(16, 192)] / 0.8, 1e6]:
+        p, t, sec = fit_job(16, shape, line, 3.0, left, 0.8)
+        fitting = [pt for pt in need if need[pt] <= 0.8 * left]
+        want = max(fitting, key=lambda pt: (pt[0] * pt[1], pt[1])) if fitting else (2, 128)
+        assert (p, t) == want and sec == pytest.approx(need[want])
+    assert fit_job(16, shape, line, 3.0, 1e6, 0.8)[:2] == (16, 300)
+    # one slot costs almost what eight do: a slow host keeps its problems and shortens the answers
+    flat = StepLine(a=0.1, b=0.0001)
+    p, t, _ = fit_job(8, shape, flat, 0.0, by_hand(8, 192, 8, 5, 0.1, 0.0001, 0.0, 2) / 0.8, 0.8)
+    assert (p, t) == (8, 192)
 
 
 def test_the_step_line_goes_through_its_two_points_and_never_below_zero():
@@ -62,18 +70,19 @@ def test_size_prints_the_count_and_writes_the_note(tmp_path):
                                     "--seconds", "3600", "--max-new-tokens", "16", "--batch-size", "4",
                                     "--out", str(note)])
     assert res.exit_code == 0, res.output
-    assert res.stdout.strip() == "6" and "all 6 problems fit" in res.stderr
+    assert res.stdout.strip() == "6 16" and "all 6 problems at 16 new tokens fit" in res.stderr
     got = json.loads(note.read_text())
-    assert got["problems"] == 6 and got["requested"] == 6 and got["steps"]["slots"] == [1, 4]
+    assert got["problems"] == 6 and got["requested"] == 6 and got["tokens"] == 16 and got["steps"]["slots"] == [1, 4]
     assert got["predicted_seconds"] == pytest.approx(predicted_seconds(
         6, JobShape(**got["shape"]), step_line(list(zip(got["steps"]["slots"],
                                                         [t / 1e3 for t in got["steps"]["step_ms"]]))),
         got["load_seconds"]))
-    # a host with no time left: one problem, and the line says it does not fit
+    # a host with no time left: the smallest job, and the line says it does not fit
     res = CliRunner().invoke(main, ["size", "--model", "tiny-random", "--dtype", "float32", "--limit", "6",
                                     "--seconds", "0", "--max-new-tokens", "100000", "--batch-size", "4"])
     assert res.exit_code == 0, res.output
-    assert res.stdout.strip() == "1" and "sized to 1 of 6 problems" in res.stderr and "does not fit" in res.stderr
+    assert res.stdout.strip() == "2 128" and "does not fit" in res.stderr
+    assert "sized to 2 of 6 problems at 128 of 100000 new tokens" in res.stderr
 
 
 def test_size_refuses_a_job_without_arms():
@@ -96,8 +105,8 @@ def test_the_main_job_with_a_deadline_states_its_sizing_in_the_report(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     note = json.loads((out / "runs" / "sizing.json").read_text())
-    assert note["problems"] == 3 and "retention size: all 3 problems fit" in res.stderr
-    assert "note: tiny-random: this job was all 3 problems fit" in res.stdout
+    assert note["problems"] == 3 and "retention size: all 3 problems at 12 new tokens fit" in res.stderr
+    assert "note: tiny-random: this job was all 3 problems at 12 new tokens fit" in res.stdout
     for d in (out / "runs").iterdir():
         if d.is_dir():
             assert len((d / "records.jsonl").read_text().splitlines()) == 3
