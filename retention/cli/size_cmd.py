@@ -32,7 +32,7 @@ from retention.cli.options import bounded, splits_dir_option
               help="Fewest problems the job may be cut to (a paired report needs two).")
 @click.option("--min-tokens", type=click.IntRange(min=1, max=1 << 20), default=128, show_default=True,
               help="Shortest token limit the job may be cut to.")
-@click.option("--margin", type=float, default=0.8, show_default=True, callback=bounded("--margin", 0.05, 1.0),
+@click.option("--margin", type=float, default=0.7, show_default=True, callback=bounded("--margin", 0.05, 1.0),
               help="Share of the seconds left that the prediction may fill.")
 @click.option("--out", "note", type=click.Path(dir_okay=False), default=None,
               help="Write the decision as JSON to this file (a runs folder's sizing.json: `retention report` "

@@ -21,9 +21,11 @@ on the models a CPU runs (0.5B and smaller) a step's time is the weights read an
 attention over a few hundred tokens a few percent of it, so the budget cache and the full cache's
 later steps cost about the same (the margin below covers the rest). The step time at `S'` slots
 comes from a line through the measured 1 and `S` slots (`t(S) = a + b S`: the weights are read once
-per step, the arithmetic grows with the rows). Each run command also loads the model once
-(measured here). The time left is shrunk by `margin` for what the model does not cover (prefill,
-compactions, grading, the report and the viewer).
+per step, the arithmetic grows with the rows). Each wave also prefills its prompts once per arm
+(the fidelity proxy copies the prefill), priced by the same kind of line through the measured
+prefills of 1 and of `S` prompts, and each run command loads the model once (measured here). The
+time left is shrunk by `margin` for what the model does not cover (compactions, the fidelity
+proxy's divergence, grading, the report and the viewer).
 """
 
 from __future__ import annotations
@@ -59,13 +61,13 @@ class JobShape:
 
 @dataclass(frozen=True)
 class StepLine:
-    """Seconds of one decode step of one cache at `S` slots: `a + b S`."""
+    """Seconds of one decode step (or one prefill) of one cache at `S` slots: `a + b S`."""
 
     a: float
     b: float
 
-    def job_step(self, shape: JobShape, slots: int) -> float:
-        return (shape.retention_arms + shape.full_caches()) * (self.a + self.b * slots)
+    def at(self, slots: int) -> float:
+        return self.a + self.b * slots
 
 
 @dataclass(frozen=True)
@@ -95,18 +97,24 @@ class Sizing:
         return (f"{what}: predicted {self.predicted_seconds:.0f} s of the {self.seconds_left:.0f} s left "
                 f"({fit} within {100 * self.margin:.0f}% of it) from a measured decode step "
                 f"({self.steps['step_ms'][0]:.1f} ms at {self.steps['slots'][0]} slot, "
-                f"{self.steps['step_ms'][-1]:.1f} ms at {self.steps['slots'][-1]})")
+                f"{self.steps['step_ms'][-1]:.1f} ms at {self.steps['slots'][-1]}; prefill "
+                f"{self.steps['prefill_ms'][-1]:.0f} ms at {self.steps['slots'][-1]})")
 
 
-def predicted_seconds(problems: int, shape: JobShape, line: StepLine, load_seconds: float) -> float:
-    """The pessimistic time of the job at `problems` problems of `shape.tokens` new tokens (module doc)."""
+def predicted_seconds(problems: int, shape: JobShape, line: StepLine, load_seconds: float,
+                      prefill: StepLine = StepLine(0.0, 0.0)) -> float:
+    """The pessimistic time of the job at `problems` problems of `shape.tokens` new tokens (module doc):
+    per wave `T` steps of every cache and one prefill per arm, plus a model load per command."""
     slots = min(shape.batch, problems)
     waves = math.ceil(problems / slots)
-    return shape.commands * load_seconds + waves * shape.tokens * line.job_step(shape, slots)
+    decode = shape.tokens * (shape.retention_arms + shape.full_caches()) * line.at(slots)
+    fill = (shape.retention_arms + shape.full_arms) * prefill.at(slots)
+    return shape.commands * load_seconds + waves * (decode + fill)
 
 
 def fit_job(requested: int, shape: JobShape, line: StepLine, load_seconds: float, seconds_left: float,
-            margin: float, min_problems: int = 2, min_tokens: int = 128) -> tuple[int, int, float]:
+            margin: float, min_problems: int = 2, min_tokens: int = 128,
+            prefill: StepLine = StepLine(0.0, 0.0)) -> tuple[int, int, float]:
     """(P, T, predicted seconds): of the pairs within `margin * seconds_left`, the one with the most
     tokens `P x T`, then the larger `T` (module doc). When none fits, the smallest job
     (`min_problems`, `min_tokens`, each at most what was asked), and the line says it does not fit."""
@@ -116,11 +124,12 @@ def fit_job(requested: int, shape: JobShape, line: StepLine, load_seconds: float
     for t in grid:
         sized = dataclasses.replace(shape, tokens=t)
         p = next((p for p in range(requested, low_p - 1, -1)
-                  if predicted_seconds(p, sized, line, load_seconds) <= margin * seconds_left), None)
+                  if predicted_seconds(p, sized, line, load_seconds, prefill) <= margin * seconds_left), None)
         if p is not None and (best is None or (p * t, t) > (best[0] * best[1], best[1])):
-            best = (p, t, predicted_seconds(p, sized, line, load_seconds))
+            best = (p, t, predicted_seconds(p, sized, line, load_seconds, prefill))
     if best is None:
-        return low_p, low_t, predicted_seconds(low_p, dataclasses.replace(shape, tokens=low_t), line, load_seconds)
+        return low_p, low_t, predicted_seconds(low_p, dataclasses.replace(shape, tokens=low_t), line, load_seconds,
+                                              prefill)
     return best
 
 
@@ -134,26 +143,31 @@ def step_line(points: list[tuple[int, float]]) -> StepLine:
     return StepLine(max(t1 - b * s1, 0.0), b)
 
 
-def measure_step_line(loaded, problems, shape: JobShape, steps: int = 6) -> tuple[StepLine, dict]:
-    """The median of `steps` full-cache decode steps of the first problem's prompt at 1 and at
-    `shape.batch` slots (the engine's own step, as `retention bench` times it)."""
+def measure_step_line(loaded, problems, shape: JobShape, steps: int = 6) -> tuple[StepLine, StepLine, dict]:
+    """(decode step line, prefill line, figures): the median of `steps` full-cache decode steps of the
+    first problem's prompt, and the wall time of its prefill (the measurement's time outside its
+    timed steps), at 1 and at `shape.batch` slots (the engine's own step, as `retention bench` times it)."""
     from retention.models import format_prompt
 
     prompt = format_prompt(loaded.tokenizer, problems[0].problem, getattr(loaded, "prompt", "chat"))
-    points = []
+    points, fills = [], []
     for s in sorted({1, shape.batch}):
+        t0 = time.perf_counter()
         (row,) = speed_rows(loaded, prompt, ["full"], 0, steps + 1, ["mean"], s, None, {}, None)
+        wall = time.perf_counter() - t0
         points.append((s, row["step_ms_median"] / 1e3))
-    return step_line(points), {"slots": [s for s, _ in points], "step_ms": [1e3 * t for _, t in points],
-                               "prompt_tokens": len(prompt), "steps": steps}
+        fills.append((s, max(wall - s * row["steps"] / row["tokens_per_second"], 0.0)))
+    return step_line(points), step_line(fills), {
+        "slots": [s for s, _ in points], "step_ms": [1e3 * t for _, t in points],
+        "prefill_ms": [1e3 * t for _, t in fills], "prompt_tokens": len(prompt), "steps": steps}
 
 
 def size_job(loaded, problems, shape: JobShape, requested: int, seconds_left: float, load_seconds: float,
-             margin: float = 0.8, min_problems: int = 2, min_tokens: int = 128) -> Sizing:
+             margin: float = 0.7, min_problems: int = 2, min_tokens: int = 128) -> Sizing:
     """Measure this host (`measure_step_line`) and fit the job (`fit_job`)."""
-    line, figures = measure_step_line(loaded, problems, shape)
+    line, prefill, figures = measure_step_line(loaded, problems, shape)
     n, tokens, t = fit_job(min(requested, len(problems)), shape, line, load_seconds, seconds_left, margin,
-                           min_problems, min_tokens)
+                           min_problems, min_tokens, prefill)
     return Sizing(requested=requested, problems=n, requested_tokens=shape.tokens, tokens=tokens,
                   seconds_left=seconds_left, predicted_seconds=t,
                   load_seconds=load_seconds, margin=margin, shape=asdict(shape),

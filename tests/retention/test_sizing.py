@@ -20,9 +20,9 @@ from retention.runs.sizing import JobShape, StepLine, fit_job, predicted_seconds
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def by_hand(p, tokens, batch, caches, a, b, load, commands):
+def by_hand(p, tokens, batch, caches, a, b, load, commands, arms=3, pa=0.0, pb=0.0):
     s = min(batch, p)
-    return commands * load + math.ceil(p / s) * tokens * caches * (a + b * s)
+    return commands * load + math.ceil(p / s) * (tokens * caches * (a + b * s) + arms * (pa + pb * s))
 
 
 @pytest.mark.parametrize("fidelity", [True, False])
@@ -30,8 +30,11 @@ def test_the_prediction_is_the_stated_cost_model(fidelity):
     shape = JobShape(tokens=300, batch=8, retention_arms=2, full_arms=1, fidelity=fidelity, commands=2)
     line = StepLine(a=0.02, b=0.003)
     caches = 2 + 1 + (2 if fidelity else 0)
+    fill = StepLine(a=0.5, b=0.2)
     for p in (1, 3, 8, 9, 16, 17, 40):
         assert predicted_seconds(p, shape, line, 5.0) == pytest.approx(by_hand(p, 300, 8, caches, 0.02, 0.003, 5.0, 2))
+        assert predicted_seconds(p, shape, line, 5.0, fill) == pytest.approx(
+            by_hand(p, 300, 8, caches, 0.02, 0.003, 5.0, 2, pa=0.5, pb=0.2))
 
 
 def test_the_job_that_generates_the_most_tokens_within_the_margin_is_chosen():
@@ -73,10 +76,11 @@ def test_size_prints_the_count_and_writes_the_note(tmp_path):
     assert res.stdout.strip() == "6 16" and "all 6 problems at 16 new tokens fit" in res.stderr
     got = json.loads(note.read_text())
     assert got["problems"] == 6 and got["requested"] == 6 and got["tokens"] == 16 and got["steps"]["slots"] == [1, 4]
-    assert got["predicted_seconds"] == pytest.approx(predicted_seconds(
-        6, JobShape(**got["shape"]), step_line(list(zip(got["steps"]["slots"],
-                                                        [t / 1e3 for t in got["steps"]["step_ms"]]))),
-        got["load_seconds"]))
+    line = step_line([(s, t / 1e3) for s, t in zip(got["steps"]["slots"], got["steps"]["step_ms"])])
+    fill = step_line([(s, t / 1e3) for s, t in zip(got["steps"]["slots"], got["steps"]["prefill_ms"])])
+    assert got["predicted_seconds"] == pytest.approx(predicted_seconds(6, JobShape(**got["shape"]), line,
+                                                                       got["load_seconds"], fill))
+    assert all(t > 0 for t in got["steps"]["prefill_ms"])
     # a host with no time left: the smallest job, and the line says it does not fit
     res = CliRunner().invoke(main, ["size", "--model", "tiny-random", "--dtype", "float32", "--limit", "6",
                                     "--seconds", "0", "--max-new-tokens", "100000", "--batch-size", "4"])
