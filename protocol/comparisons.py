@@ -33,13 +33,22 @@ def budget_key(b):
     return (b is None, b if b is not None else 0)
 
 
+# The families beside scoring; a run's configuration names one only when it is not at its default.
+OTHER_FAMILIES = ("cadence", "routing", "state", "decoding")
+
+
+def _plainest(runs: list[Run]) -> list[Run]:
+    """Runs of one scorer, those changing the fewest other families first (stable): a bare scorer
+    name means the scorer with every other family at its default, not a variant that happens to
+    come first (with PyramidKV beside it, plain TriAttention's label carries its routing parameter)."""
+    return sorted(runs, key=lambda run: sum(f in run.config for f in OTHER_FAMILIES))
+
+
 def match_baseline(runs: list[Run], baseline: str | None) -> Run:
     if baseline is None:
         plain = [run for run in runs if getattr(run, "label", None) == BASELINE_SCORER]
-        for run in plain + runs:
-            if run.scorer == BASELINE_SCORER:
-                return run
-        return runs[0]
+        named = plain or _plainest([run for run in runs if run.scorer == BASELINE_SCORER])
+        return named[0] if named else runs[0]
     target = Path(baseline)
     for run in runs:
         same_dir = target.exists() and run.path.resolve() == target.resolve()
@@ -48,7 +57,7 @@ def match_baseline(runs: list[Run], baseline: str | None) -> Run:
     # A label (e.g. `triattention+pp`) names one variant; a bare scorer name prefers the run whose
     # label is just that name (the default rule and parameters) over its variants.
     named = [run for run in runs if getattr(run, "label", None) == baseline]
-    named = named or [run for run in runs if run.scorer == baseline]
+    named = named or _plainest([run for run in runs if run.scorer == baseline])
     if named:
         return named[0]
     raise ProtocolError(f"--baseline {baseline!r} matches no run id, run directory, label or scorer")

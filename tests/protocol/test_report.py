@@ -484,6 +484,25 @@ def test_the_design_space_table_shows_the_padding_of_an_allocating_routing(tmp_p
     assert "buffers " not in "\n".join(design_space_lines(rep.design_space))
 
 
+def test_a_bare_scorer_baseline_is_the_run_with_every_other_family_at_its_default(tmp_path):
+    """`--baseline triattention` beside triattention variants of other families (an allocating routing
+    gives plain TriAttention's label its routing parameter) names the plain run, whatever order the
+    run directories come in; without --baseline the default rule picks it too."""
+    runs = {}
+    for seed, extra in enumerate([{"cadence": {"name": "newline", "params": {"max_wait": 32}}},
+                                  {"decoding": {"name": "loop-guard", "params": {}}},
+                                  {"state": {"name": "merge", "params": {}}}, None], start=1):
+        runs[seed] = make_run(tmp_path, scorer="triattention", seed=seed, extra=extra, n=12, k=1,
+                              params={"routing": "shared"})
+    make_run(tmp_path, scorer="triattention", seed=9, n=12, k=1,
+             params={"routing": "per-layer"}, extra={"routing": {"name": "adakv", "params": {}}})
+    plain = runs[4].name
+    for baseline in ("triattention", None):
+        rep = report.build_report([tmp_path], baseline=baseline, boot=200)
+        assert len(rep.comparisons) == 4
+        assert {c["baseline_run"] for c in rep.comparisons} == {plain}
+
+
 def test_paired_arms_at_different_slot_counts_are_flagged(tmp_path):
     """A record depends on the slot count it was decoded at: a report warns when paired records
     were decoded at different ones, and says nothing when they match."""
