@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from protocol import stats
+from protocol.design_space import MECHANISM_KEYS
 from protocol.diagnostics import effect_vs_n
 from protocol.errors import ProtocolError
 from protocol.provenance import check_given, cell_status, is_confirm_run, ledger_cell_of
@@ -33,15 +34,12 @@ def budget_key(b):
     return (b is None, b if b is not None else 0)
 
 
-# The families beside scoring; a run's configuration names one only when it is not at its default.
-OTHER_FAMILIES = ("cadence", "routing", "state", "decoding")
-
-
 def _plainest(runs: list[Run]) -> list[Run]:
-    """Runs of one scorer, those changing the fewest other families first (stable): a bare scorer
+    """Runs of one scorer, those changing the fewest other families first (stable; a configuration
+    names a family only when it is not at its default): a bare scorer
     name means the scorer with every other family at its default, not a variant that happens to
     come first (with PyramidKV beside it, plain TriAttention's label carries its routing parameter)."""
-    return sorted(runs, key=lambda run: sum(f in run.config for f in OTHER_FAMILIES))
+    return sorted(runs, key=lambda run: sum(f in run.config for f in MECHANISM_KEYS))
 
 
 def match_baseline(runs: list[Run], baseline: str | None) -> Run:

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from protocol.runs import SIZING_NOTE
+from retention.models import format_prompt
 from retention.runs.bench import speed_rows
 
 
@@ -147,8 +148,6 @@ def measure_step_line(loaded, problems, shape: JobShape, steps: int = 6) -> tupl
     """(decode step line, prefill line, figures): the median of `steps` full-cache decode steps of the
     first problem's prompt, and the wall time of its prefill (the measurement's time outside its
     timed steps), at 1 and at `shape.batch` slots (the engine's own step, as `retention bench` times it)."""
-    from retention.models import format_prompt
-
     prompt = format_prompt(loaded.tokenizer, problems[0].problem, getattr(loaded, "prompt", "chat"))
     points, fills = [], []
     for s in sorted({1, shape.batch}):

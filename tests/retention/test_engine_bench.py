@@ -47,18 +47,6 @@ print(json.dumps({{"vllm_version": "0.0-fake", "device": "cpu", "rows": rows}}))
 '''
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """tiny-random saved as a model folder (the cross-engine bench loads folders, not code)."""
-    from retention.models import build_tiny_random
-
-    folder = tmp_path_factory.mktemp("tiny")
-    model, tok = build_tiny_random(0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
 def fake_vllm(tmp_path, monkeypatch):
     """RETENTION_VLLM_PYTHON -> the fake; returns a reader of what each of its runs received."""

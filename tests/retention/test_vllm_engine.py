@@ -35,18 +35,6 @@ def _only_run(out):
     return d
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    """tiny-random saved as a model folder: an external engine loads folders, not code."""
-    from retention.models import build_tiny_random
-
-    folder = tmp_path_factory.mktemp("tiny")
-    model, tok = build_tiny_random(0)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
 class ReplayEngine:
     """A fake external engine that decodes with this project's own loop and a full cache."""
 
