@@ -22,6 +22,7 @@ from protocol import stats
 from protocol.design_space import MECHANISM_KEYS
 from protocol.diagnostics import effect_vs_n
 from protocol.errors import ProtocolError
+from protocol.exploration import explored_ids
 from protocol.provenance import check_given, cell_status, is_confirm_run, ledger_cell_of
 from protocol.runs import Run, pair_runs
 
@@ -298,8 +299,6 @@ def _seen_in_exploration(t: Run, b: Run) -> int:
     so exploring it and confirming on it later is possible, and flagged."""
     if not (is_confirm_run(t) or is_confirm_run(b)) or t.dataset == "math500":
         return 0
-    from protocol.exploration import explored_ids
-
     return len(explored_ids(t.dataset) & {r["problem_id"] for r in t.records})
 
 

@@ -22,6 +22,7 @@ from protocol.ledger import (STATE_ENV, HashChain, Registry, deviations_path, le
                              plan_of_chain)
 from protocol.plans import (ARMS, CONFIG_SCHEMA_VERSION, DEFAULT_RUNNER_SPEC, arm_config, cell_identity, cell_key,
                             check_repeats, load_plan, superseded_plans)
+from protocol.splits import manifest_sha256
 
 Runner = Callable[[dict, str, dict, Path], Path]
 # What a confirmation confirms: an override may not change it (the statistics and dataset included).
@@ -33,10 +34,6 @@ def _now() -> str:
 
 
 def _current_manifest_hash(dataset: str = "math500") -> str:
-    try:
-        from protocol.splits import manifest_sha256
-    except ImportError as exc:
-        raise ProtocolError(f"cannot read the split manifest ({exc}); pass its hash explicitly") from None
     return manifest_sha256(splits_dir=None, dataset=dataset)
 
 

@@ -112,7 +112,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def _hub_rows() -> list[dict[str, Any]]:
     try:
-        import datasets  # heavy and optional: only imported when the hub is asked for
+        # deferred: optional dependency (hub extra), heavy: only imported when the hub is asked for
+        import datasets
     except ImportError:
         raise ProtocolError(
             "source='hub' needs the `datasets` package (pip install datasets); "

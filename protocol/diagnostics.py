@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from protocol import stats
@@ -155,8 +157,7 @@ def spearman(x, y) -> tuple[float, float]:
     """Spearman's rho and its two-sided p. Up to `EXACT_SPEARMAN_MAX_N` points p is exact (every
     ordering of y's ranks enumerated): the t approximation scipy uses is meaningless that small
     (three points in the same order give p = 0 instead of 1/3)."""
-    import itertools
-
+    # deferred: scipy.stats adds ~0.3 s to CLI start-up (the CLI imports this module)
     from scipy.stats import rankdata, spearmanr
 
     rho, p = spearmanr(x, y)

@@ -19,6 +19,7 @@ Rules every file of the project follows (run directories, plans, ledgers, report
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -280,8 +281,6 @@ def exclusive_lock(lock_path: Path, what: str):
     A second holder gets one `ProtocolError` ("another ... is using ..."). The lock goes with the
     process, so a killed writer never leaves a stale lock behind.
     """
-    import fcntl
-
     lock_path = Path(lock_path)
     try:
         fh = open(lock_path, "a")

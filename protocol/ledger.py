@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import fcntl
 import os
 import re
 import secrets
 from pathlib import Path
+
+import platformdirs
 
 from protocol.chain import GENESIS, HashChain, entry_hash  # noqa: F401 - re-exported
 from protocol.errors import ProtocolError
@@ -50,8 +53,6 @@ def state_dir() -> Path:
     env = os.environ.get(STATE_ENV)
     if env:
         return Path(env)
-    import platformdirs
-
     return Path(platformdirs.user_state_dir("retention", appauthor=False))
 
 
@@ -241,8 +242,6 @@ def _create_key(folder: Path, what: str) -> bytes:
 @contextlib.contextmanager
 def _blocking_lock(path: Path):
     """An exclusive `flock` held for a few file operations (waits for the other holder)."""
-    import fcntl
-
     try:
         fh = open(path, "a")
     except OSError as exc:

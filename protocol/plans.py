@@ -22,9 +22,11 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from protocol.data import AIME_PROBLEMS, DATASETS
 from protocol.errors import ProtocolError
 from protocol.io import canonical_json, dumps, ensure_dir, load_json, load_json_object, sha256_text, write_atomic
 from protocol.ledger import Registry
+from protocol.splits import COUNTS
 
 PLAN_SCHEMA = "retention.plan/1"
 # Version of the run-configuration schema a plan was registered against. The runtime may pass its
@@ -73,9 +75,6 @@ def _check_arm(name: str, cfg) -> dict:
 
 def _confirm_problems(dataset: str) -> int | None:
     """Problems in the confirm split of the dataset (None when this module does not know it)."""
-    from protocol.data import AIME_PROBLEMS, DATASETS
-    from protocol.splits import COUNTS
-
     if dataset == DEFAULT_DATASET:
         return COUNTS["confirm"]
     return AIME_PROBLEMS if dataset in DATASETS else None  # an AIME set is confirmed whole

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from protocol.comparisons import (BASELINE_SCORER, SUBSET_BOOT, budget_key, compare,  # noqa: F401
                                   match_baseline, mixed_family, pair_tests, plan_comparisons, slot_notes)
 from protocol.design_space import design_space_rows
-from protocol.failure_modes import failure_modes
 from protocol.diagnostics import (accounting_effects, aggregate_trace, effect_vs_n,  # noqa: F401
                                   proxy_agreement, subset_sizes, summarize_run)
 from protocol.errors import ProtocolError
+from protocol.failure_modes import failure_modes
 from protocol.provenance import confirmation_status, is_confirm_run, provenance  # noqa: F401
 from protocol.render import (REPORT_LISTING, json_safe, tex_escape, terminal_summary,  # noqa: F401
                              to_latex, unconfirmed_banner, write_report)
+from protocol.report_fidelity import fidelity_comparisons
 from protocol.runs import (Run, assign_labels, correct, find_run_dirs, load_run, pair_runs,  # noqa: F401
                            refuse_duplicates, sizing_notes)
 
@@ -110,8 +111,6 @@ def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int 
                 "alpha": first["alpha"], "m": first["m"], "source": first["source"],
                 "subset_boot": min(first["boot"], subset_boot), "baseline": pairs[0][1].label,
                 "given": {k: v for k, v in given.items() if v is not None}}
-    from protocol.report_fidelity import fidelity_comparisons
-
     return Report(comparisons=rows, arms=arms, accounting=accounting_effects(rows),
                   subsets=subsets, proxy=proxy, proxy_corr=corr, traces=traces,
                   provenance=prov, notes=notes, settings=settings,

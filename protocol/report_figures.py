@@ -7,6 +7,7 @@ inputs exist.
 from __future__ import annotations
 
 import io
+import warnings
 
 import numpy as np
 
@@ -15,6 +16,7 @@ _MARKERS = "osD^vP*Xh"
 
 def _styles(keys) -> dict:
     """One colour and marker per arm key, the same in every panel and figure."""
+    # deferred: matplotlib (~0.3 s), only when a report draws its figures
     from matplotlib import colormaps
 
     cmap = colormaps["tab10"]
@@ -31,6 +33,7 @@ def _grid(panels: int, n_legend: int, longest: int, *, width: float = 5.0, heigh
     """A figure of `panels` axes wrapped into rows of at most `max_cols`, tall enough for a shared
     legend of `n_legend` entries (the longest `longest` characters) below them: however many arms
     a report holds, the axes keep their size and no label is drawn over another."""
+    # deferred: matplotlib (~0.3 s), only when a report draws its figures
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -203,8 +206,6 @@ def render_all(rep) -> tuple[dict[str, bytes], list[str]]:
 
     Warnings raised while drawing (matplotlib's layout engine, numpy on empty data) are returned as
     notes for the report instead of reaching stderr, where only the one `Error:` line may appear."""
-    import warnings
-
     makers = {"accuracy_vs_cache.png": (accuracy_vs_cache, rep.arms)}
     if rep.traces:
         makers["cache_trace.png"] = (cache_traces, rep.traces)

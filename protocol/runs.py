@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from protocol import shards, stats
+from protocol import grading, shards, stats
 from protocol.design_space import MECHANISM_KEYS
 from protocol.errors import ProtocolError
 from protocol.io import load_json_object, read_jsonl
@@ -128,12 +128,6 @@ class Run:
                 or (self.confirm or {}).get("plan_hash"))
 
 
-def _lazy_grade():
-    from protocol.grading import grade
-
-    return grade
-
-
 def _short_pair(a: str, b: str) -> tuple[str, str]:
     """Prefixes of two hashes long enough to show where they differ."""
     same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -182,7 +176,7 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
         seen.add(key)
     ungraded = [r for r in records if "verdict" not in r]
     if ungraded:
-        grade = grade or _lazy_grade()
+        grade = grade or grading.grade
         for rec in ungraded:
             text, gold = rec.get("text"), rec.get("gold")
             # No text (a failed generation) or no gold answer cannot be right: null = wrong.

@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import protocol
 from protocol.data import (AIME_PROBLEMS, AIME_SHA256, DATASET_SHA256, DEFAULT_DATASET, DATASETS, N_PROBLEMS,
                            Problem, dataset_sha256, load_aime, load_problems)
 from protocol.errors import ProtocolError
@@ -64,8 +65,6 @@ def default_splits_dir() -> Path:
     for d in (cwd, *cwd.parents):
         if (d / "pyproject.toml").is_file() and _holds_manifest(d / "splits"):
             return d / "splits"
-    import protocol
-
     return Path(protocol.__file__).resolve().parent.parent / "splits"
 
 

@@ -200,6 +200,7 @@ def mcnemar_exact(data: PairedData) -> dict:
     Returns {"n11", "n10", "n01", "n00", "p"}. Refused for k > 1: pooled generations of one problem
     are not independent pairs, so the binomial null does not hold.
     """
+    # deferred: scipy.stats adds ~0.3 s to CLI start-up (the CLI imports this module)
     from scipy.stats import binomtest
 
     if data.k != 1:

@@ -19,13 +19,19 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pandas as pd
+
+from protocol.io import read_jsonl
 from retention.errors import RetentionError
+from retention.plugins import register_class
+from retention.runs.arms import validate_arm
+from retention.runs.jobs import execute
+from retention.runtime.trace import CacheTrace
+from retention.scorers import Scorer, get_scorer_class, is_builtin
 
 
 def _scorer_arm(scorer, params: dict | None) -> tuple[str, dict]:
     """(name or spec, parameters) of a scorer given by name or as an instance."""
-    from retention.scorers import Scorer, is_builtin
-
     params = dict(params or {})
     if isinstance(scorer, str):
         return scorer, params
@@ -36,17 +42,13 @@ def _scorer_arm(scorer, params: dict | None) -> tuple[str, dict]:
     cls = type(scorer)
     name = getattr(cls, "name", None)
     if not (isinstance(name, str) and is_builtin(name) and _builtin_class(name) is cls):
-        from retention.plugins import register_class
-
-        name = register_class(cls)
+        name = register_class(cls, Scorer)
     fields = {f.name: getattr(scorer, f.name) for f in dataclasses.fields(scorer)
               if f.init and not f.name.startswith("_") and f.name != "seed"}
     return name, fields
 
 
 def _builtin_class(name: str):
-    from retention.scorers import get_scorer_class
-
     return get_scorer_class(name)
 
 
@@ -66,10 +68,6 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
     plan's arm). trace: record what each record's cache held (`--trace`; read the run directory's
     trace.jsonl with `traces`). The other arguments are `retention run`'s options of the same names.
     """
-    from protocol.io import read_jsonl
-    from retention.runs.arms import validate_arm
-    from retention.runs.jobs import execute
-
     if split != "dev":
         raise RetentionError("the confirm split is reachable only through a pre-registered plan (retention confirm)")
     name, scorer_params = _scorer_arm(scorer, params)
@@ -89,9 +87,6 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
 def traces(run_dir) -> dict[tuple[str, int], object]:
     """{(problem_id, sample): `retention.runtime.trace.CacheTrace`} of a run directory written with
     `trace=True` (`--trace`); records without a cache trace are left out."""
-    from protocol.io import read_jsonl
-    from retention.runtime.trace import CacheTrace
-
     rows = read_jsonl(Path(run_dir) / "trace.jsonl", "trace").objects
     return {(r["problem_id"], r["sample"]): CacheTrace.from_json(r["cache"]) for r in rows if "cache" in r}
 
@@ -99,6 +94,4 @@ def traces(run_dir) -> dict[tuple[str, int], object]:
 def records_frame(records: list[dict]):
     """The records as a pandas DataFrame, one row per (problem, sample); nested fields flattened
     (`fidelity.kl_mean`, ...)."""
-    import pandas as pd
-
     return pd.json_normalize(records)

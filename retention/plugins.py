@@ -9,7 +9,7 @@
 * `path/to/file.py:Class`, loaded from that file.
 
 A plugin is a subclass of `retention.scorers.Scorer` (the interface is documented in
-`retention.scorers.base`). Its identity is part of the arm: `plugin_identity` gives the spec, the
+`retention.scorers.base`). Its identity is part of the arm: `class_identity` gives the spec, the
 distribution and version when the module belongs to an installed distribution, and the sha256 of its
 source file(s) (the module's file, or every `*.py` file of the module's own package folder), so the
 configuration hash changes when the plugin's code does. A plugin that fails to import, or names no
@@ -21,10 +21,12 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from importlib import metadata
 from pathlib import Path
 
+from protocol.io import load_json_object
 from retention.errors import RetentionError
 
 GROUP = "retention.scorers"
@@ -84,8 +86,9 @@ def _target(name: str, group: str = GROUP) -> tuple[str, str]:
     return ep.value, "entry point"
 
 
-def load_plugin(name: str, base: type | None = None, group: str = GROUP, family: str = "scorer") -> type | None:
-    """The subclass of `base` (default `retention.scorers.Scorer`) a plugin name or spec stands for,
+def load_plugin(name: str, base: type, group: str = GROUP, family: str = "scorer") -> type | None:
+    """The subclass of `base` (the family's interface: `retention.scorers.Scorer` for a scorer) a
+    plugin name or spec stands for,
     looked up in entry-point group `group`; None when `name` is neither a spec nor an installed
     entry-point name. Errors (import, missing class, not a subclass) are one `RetentionError` naming
     the plugin and its family."""
@@ -95,9 +98,6 @@ def load_plugin(name: str, base: type | None = None, group: str = GROUP, family:
     target, how = _target(name, group)
     if not target:
         return None
-    if base is None:
-        from retention.scorers.base import Scorer as base  # noqa: N813 - the default family
-
     where, _, attr = target.rpartition(":")
     if not where or not attr:
         raise RetentionError(f"{family} plugin {name!r}: expected package.module:Class or path/to/file.py:Class")
@@ -116,11 +116,14 @@ def load_plugin(name: str, base: type | None = None, group: str = GROUP, family:
         raise RetentionError(f"{family} plugin {name!r} ({how} {target}) failed to import: "
                              f"{type(exc).__name__}: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        where_base = "retention.scorers" if family == "scorer" else base.__module__
-        raise RetentionError(f"{family} plugin {name!r} ({how} {target}) is not a "
-                             f"{where_base}.{base.__qualname__} subclass")
+        raise RetentionError(f"{family} plugin {name!r} ({how} {target}) is not a {_base_name(base, family)} subclass")
     _loaded[key] = cls
     return cls
+
+
+def _base_name(base: type, family: str) -> str:
+    """How errors name a family's interface (a scorer's as `retention.scorers` exports it)."""
+    return f"{'retention.scorers' if family == 'scorer' else base.__module__}.{base.__qualname__}"
 
 
 def _distribution(module) -> tuple[str | None, str | None]:
@@ -176,16 +179,15 @@ def helper_files(file: Path) -> list[Path]:
 
 
 def class_identity(cls: type, spec: str) -> dict:
-    """The identity of plugin class `cls` named `spec` (see `plugin_identity`). A class without a
-    source file (defined in a notebook) is hashed from its source text, keyed `module:qualname`."""
+    """The identity of plugin class `cls` named `spec`: `{"spec", "distribution", "version",
+    "sources_sha256": {file: sha256}}` (the module doc). A class without a source file (defined in a
+    notebook) is hashed from its source text, keyed `module:qualname`."""
     root, files = source_files(cls)
     module = sys.modules.get(cls.__module__)
     dist, version = (None, None) if module is None or module.__name__.startswith("retention_plugin_") or not files \
         else _distribution(module)
     shas = {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
     if not files:  # no file: the class's own source text is what identifies it
-        import inspect
-
         try:
             text = inspect.getsource(cls)
         except (OSError, TypeError):  # a notebook cell's class: its methods' source is still at hand
@@ -204,29 +206,21 @@ def class_identity(cls: type, spec: str) -> dict:
     return {"spec": spec, "distribution": dist, "version": version, "sources_sha256": shas}
 
 
-def register_class(cls: type) -> str:
-    """A name for a `Scorer` subclass given as an object (`retention.api`): its importable
-    `module:qualname` spec when importing that gives this very class, else the same text registered
-    for this process only (a class defined in a notebook); its identity hashes its source either way."""
-    from retention.scorers.base import Scorer
-
-    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
-        raise RetentionError(f"{cls!r} is not a retention.scorers.Scorer subclass")
+def register_class(cls: type, base: type) -> str:
+    """A name for a scorer class (a subclass of `base`, `retention.scorers.Scorer`) given as an object
+    (`retention.api`): its importable `module:qualname` spec when importing that gives this very class,
+    else the same text registered for this process only (a class defined in a notebook); its identity
+    hashes its source either way."""
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise RetentionError(f"{cls!r} is not a {_base_name(base, 'scorer')} subclass")
     name = f"{cls.__module__}:{cls.__qualname__}"
     try:
-        found = load_plugin(name)
+        found = load_plugin(name, base)
     except RetentionError:
         found = None
     if found is not cls:
         _loaded[name] = cls
     return name
-
-
-def plugin_identity(name: str) -> dict | None:
-    """`{"spec", "distribution", "version", "sources_sha256": {file: sha256}}` of a plugin, None for a
-    name that is not a plugin (a built-in)."""
-    cls = load_plugin(name)
-    return None if cls is None else class_identity(cls, name)
 
 
 def stable_identity(identity: dict) -> dict:
@@ -265,8 +259,6 @@ def refuse_other_code(run_dir: Path, config: dict) -> None:
     plugin = config.get("scorer_plugin")
     if not isinstance(plugin, dict):
         return
-    from protocol.io import load_json_object
-
     for other in sorted(run_dir.parent.glob("*/config.json")):
         if other.parent == run_dir:
             continue

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import platform
 
+import torch
+import transformers
+
 from retention import __version__
 
 
 def library_versions() -> dict:
     """`{"retention", "torch", "transformers", "python"}` version strings of this process."""
-    import torch
-    import transformers
-
     return {
         "retention": __version__,
         "torch": torch.__version__,

@@ -10,6 +10,10 @@ Importing a module also runs its packages' `__init__`; those implicit edges are 
 module would otherwise sit in a cycle with its package's `__init__`).
 
 Every cycle fails the test, wherever it is.
+
+Imports stand at the top of their module (the standard: arrows only downward and visible). Inside a
+function only in the CLI (`retention/cli/`, for start-up time), for an optional extra, or under a
+`# deferred: <reason>` comment line (`test_function_level_imports_are_marked`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import ast
 import warnings
 from pathlib import Path
+
+import pytest
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +191,88 @@ def test_nothing_outside_the_cli_imports_it():
                        if not (m == "retention.cli" or m.startswith("retention.cli."))
                        and any(d == "retention.cli" or d.startswith("retention.cli.") for d in deps))
     assert offenders == []
+
+
+#: Optional third-party extras: imported where they are used, so that the rest runs without them.
+OPTIONAL = frozenset({"vllm", "ray", "gguf", "math_verify", "matplotlib", "datasets"})
+DEFERRED = "# deferred:"
+
+
+def _function_level_imports(tree: ast.Module):
+    """Every import statement inside a function body (at any depth), in source order."""
+    out = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                out.append(child)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return sorted(out, key=lambda n: n.lineno)
+
+
+def _imported_roots(node: ast.Import | ast.ImportFrom) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    return {"." if node.level else (node.module or "").split(".")[0]}
+
+
+def _is_deferred(lines: list[str], node: ast.AST) -> bool:
+    """Whether `node` sits under a `# deferred:` comment line: the line right above it, or above the
+    run of import lines it belongs to (one comment covers imports written one after the other)."""
+    i = node.lineno - 2  # the line above, 0-based
+    while i >= 0 and lines[i].strip().startswith(("import ", "from ")):
+        i -= 1
+    return i >= 0 and lines[i].strip().startswith(DEFERRED)
+
+
+def function_level_offenders() -> list[str]:
+    """`file:line: statement` of each function-level import outside the CLI that is neither of an
+    optional extra nor marked `# deferred:` (an internal one never counts as optional)."""
+    offenders = []
+    for m, path in _modules().items():
+        if m == "retention.cli" or m.startswith("retention.cli."):
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in _function_level_imports(_parse(path)):
+            roots = _imported_roots(node)
+            if roots <= OPTIONAL or _is_deferred(lines, node):
+                continue
+            offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return offenders
+
+
+def test_function_level_imports_are_marked():
+    """Outside `retention/cli/` an import inside a function is an optional extra's or says why it
+    waits (`# deferred: <reason>` on the line above); every other one belongs at the top."""
+    offenders = function_level_offenders()
+    if offenders:
+        pytest.fail(f"{len(offenders)} function-level imports to hoist or mark:\n" + "\n".join(offenders),
+                    pytrace=False)
+
+
+def test_function_level_scan():
+    """Imports inside functions (methods and nested functions too) are found; one `# deferred:` line
+    covers the run of import lines right below it, not an import after other code."""
+    src = ("import os\n"
+           "def f():\n"
+           "    import json\n"
+           "    # deferred: a reason\n"
+           "    import torch\n"
+           "    from retention.models import x\n"
+           "    y = 1\n"
+           "    import vllm\n"
+           "    from retention import z\n"
+           "    class C:\n"
+           "        def g(self):\n"
+           "            from protocol import io\n")
+    lines = src.splitlines()
+    nodes = _function_level_imports(ast.parse(src))
+    assert [n.lineno for n in nodes] == [3, 5, 6, 8, 9, 12]
+    assert [_is_deferred(lines, n) for n in nodes] == [False, True, True, False, False, False]
+    assert [_imported_roots(n) <= OPTIONAL for n in nodes] == [False, False, False, True, False, False]
 
 
 def test_protocol_never_imports_retention_at_module_level():

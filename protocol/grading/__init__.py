@@ -20,10 +20,12 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from protocol.grading import mathverify
 from protocol.grading.extract import RULES, extract_answer, extract_final, find_boxes
+from protocol.grading.normalize import MAX_ANSWER_CHARS
 from protocol.grading.options import option_gold
 from protocol.grading.spans import box_answer
-from protocol.grading.normalize import MAX_ANSWER_CHARS
+from protocol.grading.worker import close_default_pool, default_pool
 
 __all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final",
            "extract_answer", "close_workers", "REASONS", "RULES"]
@@ -73,8 +75,6 @@ def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
     """Grade (pred_text, gold) pairs; `timeout` seconds per pair, `workers` processes in parallel.
     `problems` (one problem text or None per pair) lets a gold that names an option ("(C)") be
     matched by the option's content ("Plane") as well as by its letter (`options`)."""
-    from protocol.grading.worker import default_pool
-
     timeout = _check_timeout(timeout)
     if int(workers) < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
@@ -145,9 +145,6 @@ def second_opinions(pairs: Iterable[tuple[str, str]], judge: str, timeout: float
     """Grade (pred_text, gold) pairs with another grader (`judge`: "math-verify") in the same
     killable workers, under the same per-item `timeout`. The whole output goes to it: it
     extracts its own answer."""
-    from protocol.grading import mathverify
-    from protocol.grading.worker import default_pool
-
     if judge != mathverify.NAME:
         raise ValueError(f"unknown grader {judge!r}; known: {mathverify.NAME}")
     if mathverify.version() is None:
@@ -167,6 +164,4 @@ def grade(pred_text: str, gold: str, timeout: float = 5.0, problem: str | None =
 
 def close_workers() -> None:
     """Stop the grading worker processes (they are also stopped at interpreter exit)."""
-    from protocol.grading.worker import close_default_pool
-
     close_default_pool()

@@ -12,6 +12,9 @@ extraction) and the gold wrapped in ``\\boxed{}`` (its highest-priority extracti
 
 from __future__ import annotations
 
+import logging
+from importlib.metadata import PackageNotFoundError, version as _version
+
 __all__ = ["NAME", "version", "judge"]
 
 NAME = "math-verify"
@@ -20,7 +23,6 @@ NAME = "math-verify"
 def version() -> str | None:
     """The installed math-verify version, or None when it is not installed."""
     try:
-        from importlib.metadata import PackageNotFoundError, version as _version
         return _version("math-verify")
     except PackageNotFoundError:
         return None
@@ -28,8 +30,7 @@ def version() -> str | None:
 
 def judge(output: str | None, gold: str) -> bool | None:
     """math-verify's verdict on a whole model output; None when it extracts no answer."""
-    import logging
-
+    # deferred: optional dependency (mathverify extra)
     from math_verify import parse, verify
 
     # it warns on every call that its own timeout is off: the worker's kill is the timeout

@@ -38,6 +38,8 @@ import time
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from protocol.grading import mathverify
+
 __all__ = ["WorkerPool", "default_pool", "close_default_pool", "DEFAULT_MEMORY_MB"]
 
 #: Address space a worker may add on top of its start-up size.
@@ -60,6 +62,7 @@ def _vm_size_bytes() -> int | None:
 
 def _limit_memory(memory_mb: int) -> None:
     try:
+        # deferred: POSIX-only; the ImportError branch is the Windows path
         import resource
     except ImportError:  # not POSIX: the wall-clock kill still bounds the worker
         return
@@ -76,7 +79,8 @@ def _limit_memory(memory_mb: int) -> None:
 
 def _judges() -> dict:
     """Judges a worker can run, by name: this grader, and math-verify for `--compare`."""
-    from protocol.grading import equivalence, mathverify
+    # deferred: sympy and the LaTeX grammar load in the workers only, never in the grading parent (module doc)
+    from protocol.grading import equivalence
 
     return {"grader": equivalence.judge, mathverify.NAME: mathverify.judge}
 
@@ -85,6 +89,7 @@ def _worker_main(conn, memory_mb: int) -> None:
     """Worker loop: receive (task_id, pred, gold, judge name), send (task_id, status, verdict,
     detail); status "no_answer" when a judge that extracts its own answer finds none."""
     _limit_memory(memory_mb)
+    # deferred: sympy and the LaTeX grammar load in the workers only, never in the grading parent (module doc)
     from protocol.grading.equivalence import Unparsable
 
     judges = _judges()
@@ -98,6 +103,7 @@ def _worker_main(conn, memory_mb: int) -> None:
             return
         if msg == "limits":  # diagnostics: the address-space cap this worker runs under
             try:
+                # deferred: POSIX-only; the ImportError branch is the Windows path
                 import resource
                 conn.send(("limits", resource.getrlimit(resource.RLIMIT_AS), _vm_size_bytes()))
             except ImportError:
@@ -129,7 +135,8 @@ def _zygote_main(ctl_fd: int, memory_mb: int) -> None:
     (the request carries the worker's socket) and answer with the worker's pid."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished workers
     ctl = socket.socket(fileno=ctl_fd)
-    import protocol.grading._preload  # noqa: F401  (sympy, the grammar, warm parser caches)
+    # deferred: the zygote's warm-up (sympy, the grammar, warm parser caches), never in the grading parent
+    import protocol.grading._preload  # noqa: F401
 
     while True:
         try:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from protocol.comparisons import budget_key
+from protocol.data import load_dataset
 from protocol.diagnostics import summarize_run
 from protocol.errors import ProtocolError
 from protocol.failure_modes import _reference, divergence_token
@@ -137,8 +138,6 @@ def answer_changed(rec: dict, ref: dict) -> bool:
 
 def _statements(runs: list[Run]) -> dict:
     """Problem statements by id from the runs' datasets (the shipped copies; none when unreadable)."""
-    from protocol.data import load_dataset
-
     out: dict = {}
     for dataset, data in {(r.dataset, r.config.get("data")) for r in runs}:
         try:

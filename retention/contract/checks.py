@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -367,8 +368,6 @@ def _share(kit: _Kit, context: int, budget: int, tokens: int) -> CheckResult:
     """Compaction share of decode time: one sequence with a `context`-token prompt (float32
     tiny-random), `tokens` decode steps timed after the prefill; the prefill's own compaction (the
     prompt cut to b) is not decode time and is left out of both figures."""
-    import time
-
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 256, (context,), generator=g).tolist()
     sc, arm = kit.make(), kit.arm.policy()  # the arm's own mechanisms at the figure's budget

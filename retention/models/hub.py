@@ -14,6 +14,8 @@ import socket
 import threading
 from urllib.parse import urlsplit
 
+import huggingface_hub.constants as hub
+
 PROBE_SECONDS = 1.0
 
 
@@ -30,8 +32,6 @@ def hub_answers(timeout: float = PROBE_SECONDS) -> bool:
 
     False at once in offline mode. On False the process is switched to offline mode (said by the
     caller's error line)."""
-    import huggingface_hub.constants as hub
-
     if hub.HF_HUB_OFFLINE:
         return False
     url = urlsplit(hub.ENDPOINT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -10,11 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import try_to_load_from_cache
+from transformers.utils import logging as hf_logging
 
 from retention.dtypes import dtype_name, resolve_dtype
 from retention.errors import RetentionError
-from retention.models.layouts import CacheLayout, layout_from_config
 from retention.models.aliases import SPLIT_GGUFS, TINY_RANDOM_SEED, ModelRef, resolve_model
+from retention.models.arch.configs import TINY
+from retention.models.arch.model import build_arch, is_arch_model
+from retention.models.gguf import cached_quant, gguf_config, gguf_file_cache, gguf_quant, split_gguf_cache
+from retention.models.hub import PROBE_SECONDS, hub_answers
+from retention.models.layouts import DOCUMENTED, CacheLayout, layout_from_config
 from retention.models.prompts import prompt_style
 from retention.models.tiny import build_tiny_random, build_tiny_tokenizer
 from retention.models.weights_cache import _smollm2_cache, sha256_files, smollm2_gguf_path
@@ -108,8 +115,6 @@ def load_model(
         raise RetentionError(f"a revision applies to hub models only, not to {name!r}")
 
     # transformers draws a per-tensor "Loading weights" bar; the run's own progress bar is enough.
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
     start = time.perf_counter()
     quant = None
@@ -118,8 +123,6 @@ def load_model(
         model = model.to(device=device, dtype=torch_dtype)
         model_id, resolved_revision = "tiny-random", f"random-seed-{seed}"
     elif ref.kind == "arch":
-        from retention.models.arch.model import build_arch
-
         model, tokenizer = build_arch(ref.source, seed, torch_dtype).to(device), build_tiny_tokenizer()
         model_id, resolved_revision = ref.source, f"random-seed-{seed}"
     elif ref.kind == "gguf":
@@ -159,8 +162,6 @@ def load_model(
 def _gguf_quant(ref: ModelRef, folder: Path, gguf: Path | None) -> str | None:
     """The quantisation type of a GGUF model: from its file's header when the file is at hand, else
     (split parts, assembled only to convert) what the conversion recorded or the alias pins."""
-    from retention.models.gguf import cached_quant, gguf_quant
-
     if gguf is not None:
         return gguf_quant(gguf)
     return cached_quant(folder) or SPLIT_GGUFS[ref.source].quant
@@ -168,8 +169,6 @@ def _gguf_quant(ref: ModelRef, folder: Path, gguf: Path | None) -> str | None:
 
 def _gguf_cache(ref: ModelRef) -> tuple[Path, str]:
     """The converted cache folder of a split or local GGUF model and the GGUF's sha256."""
-    from retention.models.gguf import gguf_file_cache, split_gguf_cache
-
     if ref.kind == "parts":
         return split_gguf_cache(SPLIT_GGUFS[ref.source])
     return gguf_file_cache(Path(ref.source))
@@ -185,8 +184,6 @@ def _gguf_model_id(ref: ModelRef) -> str:
 
 def _layout_of(model, torch_dtype: torch.dtype) -> CacheLayout:
     """A reference layout model knows its layout; a transformers model's follows from its config."""
-    from retention.models.arch.model import is_arch_model
-
     if is_arch_model(model):
         return model.config.cache_layout().with_dtype(torch_dtype)
     return layout_from_config(model.config, torch_dtype)
@@ -201,6 +198,7 @@ def _load_pretrained(
     local_files_only: bool = False,
 ) -> tuple[Any, Any]:
     """`AutoTokenizer` + `AutoModelForCausalLM.from_pretrained` with SDPA attention, onto `device`."""
+    # deferred: transformers' Auto classes add ~0.3 s to CLI start-up (the CLI imports this module)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path_or_id, revision=revision, local_files_only=local_files_only)
@@ -223,8 +221,6 @@ def _load_from_hub(hub_id: str, torch_dtype: torch.dtype, device: str, revision:
         return _load_pretrained(hub_id, torch_dtype, device, revision=revision, local_files_only=True)
     except OSError:
         pass  # not (fully) cached: try the hub itself
-    from retention.models.hub import PROBE_SECONDS, hub_answers
-
     if not hub_answers():
         raise RetentionError(
             f"cannot load {hub_id}: it is not in the hub cache and the hub does not answer (probed for "
@@ -247,8 +243,6 @@ def _hub_commit(hub_id: str, revision: str | None) -> str:
     """The commit a hub load used, read from the snapshot folder the cache resolved it to."""
     if revision and re.fullmatch(r"[0-9a-f]{40}", revision):
         return revision
-    from huggingface_hub import try_to_load_from_cache
-
     cached = try_to_load_from_cache(hub_id, "config.json", revision=revision)
     if isinstance(cached, str):
         match = _SNAPSHOT_RE.search(cached)
@@ -295,10 +289,6 @@ def weights_reference(name: str) -> tuple[str, str, str]:
 def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayout:
     """The cache layout of model `name` without loading its weights: from the folder's config.json,
     the documented layout of an aliased model, a GGUF header, or the config of `tiny-random`."""
-    import json
-
-    from retention.models.layouts import DOCUMENTED
-
     ref = resolve_model(name)
     if ref.kind == "local":
         try:
@@ -311,11 +301,7 @@ def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayou
     if ref.kind == "parts":
         return layout_from_config(dict(SPLIT_GGUFS[ref.source].geometry), dtype)
     if ref.kind == "gguf-file":
-        from retention.models.gguf import gguf_config
-
         return layout_from_config(gguf_config(Path(ref.source)), dtype)
     if ref.kind == "arch":
-        from retention.models.arch.configs import TINY
-
         return TINY[ref.source].cache_layout().with_dtype(dtype)
     return DOCUMENTED[ref.name].with_dtype(dtype)

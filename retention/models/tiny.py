@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from retention.models.aliases import TINY_RANDOM_SEED
 
@@ -45,9 +47,6 @@ def build_tiny_tokenizer() -> Any:
 
     BPE over the 256 byte symbols with no merges, so any UTF-8 text round-trips exactly.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     symbols = _byte_symbols()
     # ByteLevel's own alphabet must be what our table reproduces, or encoding would hit unknowns.
     assert set(symbols) == set(pre_tokenizers.ByteLevel.alphabet())
@@ -70,6 +69,7 @@ def build_tiny_random(seed: int = TINY_RANDOM_SEED, *, layers: int = 4) -> tuple
 
     The caller's global RNG state is left untouched.
     """
+    # deferred: transformers' Qwen2 modeling adds ~1.5 s to CLI start-up (the CLI imports this module)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tiny_tokenizer()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import platformdirs
 import torch
 
 from retention.errors import RetentionError
@@ -33,8 +34,6 @@ def cache_root() -> Path:
     override = os.environ.get(CACHE_ENV)
     if override:
         return Path(override).expanduser()
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("retention"))
 
 
@@ -93,6 +92,7 @@ def load_gguf(folder: str | Path, gguf_file: str) -> tuple[Any, Any]:
     if importlib.util.find_spec("accelerate") is None:
         # transformers refuses GGUF loads without it; say so before the slow part starts.
         raise RetentionError("dequantising a GGUF model needs the accelerate package: pip install accelerate")
+    # deferred: transformers' Auto classes add ~0.3 s to CLI start-up (the CLI imports this module)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)

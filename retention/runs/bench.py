@@ -25,11 +25,16 @@ import statistics
 import time
 
 import torch
+from transformers import DynamicCache
 
+from retention.models import format_prompt
 from retention.runs.arms import validate_arm
 from retention.runs.scorer_options import scorer_fields
+from retention.runtime.engine import Engine, Request, SamplingConfig, cache_kwarg
+from retention.runtime.generate import generate
 from retention.runtime.syncs import count_host_reads
 from retention.scorers import get_scorer_class
+from retention.versions import library_versions
 
 DYNAMIC = "dynamic-cache"
 IDEAL = "ideal-crop"
@@ -65,8 +70,6 @@ class _EngineStepper:
     """A scorer variant: the batched engine on `S` copies of the prompt."""
 
     def __init__(self, loaded, prompt, scorer, budget, interval, accounting, params, S, new_tokens):
-        from retention.runtime.engine import Engine, Request, SamplingConfig
-
         self.name, self.accounting, self.model = scorer, accounting, loaded.model
         self.policy = _policy(loaded.name, scorer, budget, interval, accounting, params)
         self.gens = []
@@ -106,10 +109,6 @@ class _DynamicStepper:
     is cut to its newest `crop` tokens after every step (no scoring)."""
 
     def __init__(self, loaded, prompt, S, crop: int | None):
-        from transformers import DynamicCache
-
-        from retention.runtime.engine import cache_kwarg
-
         self.name, self.accounting = (DYNAMIC if crop is None else IDEAL), None
         self.model, self.crop, self.kw = loaded.model, crop, cache_kwarg(loaded.model)
         self.dev = next(loaded.model.parameters()).device
@@ -211,10 +210,6 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
 
     scorers may include the reference variants `dynamic-cache` and `ideal-crop`; contexts: `None` =
     the first dev problem's prompt, an int = that many tokens of real text."""
-    from retention.runtime.generate import SamplingConfig, generate
-    from retention.models import format_prompt
-    from retention.versions import library_versions
-
     params = params or {}
     batch_sizes = batch_sizes or [1]
     contexts = contexts or [None]

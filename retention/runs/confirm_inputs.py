@@ -16,8 +16,12 @@ import inspect
 import sys
 from pathlib import Path
 
+from protocol import prereg
+from protocol.plans import _PLAN_LEVEL_KEYS
 from retention.errors import RetentionError
 from retention.models.gguf import require_weights
+from retention.plugins import differing_keys, helper_files
+from retention.runs import arms
 
 
 # Runner specs registered before the job modules moved into `retention.runs` (plans keep their spec).
@@ -47,8 +51,6 @@ def load_runner(spec: str):
 def runner_sources(spec: str) -> dict[str, str]:
     """{file: sha256} of a runner's code: its module's file and the modules imported from its folder
     (`retention.plugins.helper_files`, as a file plugin is identified), keyed relative to that folder."""
-    from retention.plugins import helper_files
-
     fn = load_runner(spec)
     module = sys.modules.get(getattr(fn, "__module__", ""))
     file = Path(getattr(module, "__file__", "") or "")
@@ -62,8 +64,6 @@ def runner_sources(spec: str) -> dict[str, str]:
 def check_runner_sources(plan: dict, spec: str | None) -> None:
     """Refuse to confirm with the plan's registered runner when its code changed since registration
     (a plan registered before runner sources were recorded has none to compare)."""
-    from retention.plugins import differing_keys
-
     registered = plan.get("runner_sources")
     if not registered or (spec is not None and spec != plan.get("runner")):
         return  # another runner than the registered one is a logged "runner" deviation
@@ -77,8 +77,6 @@ def check_runner_sources(plan: dict, spec: str | None) -> None:
 def resolve_runner(spec: str | None, plan: dict):
     """(runner, spec to record in the ledger). The spec is None when the runner is the plan's own
     registered one (`protocol.prereg.DEFAULT_RUNNER` stands for the built-in runner)."""
-    from protocol import prereg
-
     if spec:
         return load_runner(spec), spec
     if plan.get("runner"):
@@ -97,9 +95,6 @@ def resolve_runner(spec: str | None, plan: dict):
 
 def validate_confirm_arm(cfg: dict) -> None:
     """One arm of a confirmation as the runner will receive it (`protocol.plans.arm_config`)."""
-    from protocol.plans import _PLAN_LEVEL_KEYS
-    from retention.runs import arms
-
     unknown = sorted(set(cfg) - arms._ARM_KEYS - _PLAN_LEVEL_KEYS - {"model_revision", "dataset"})
     if unknown:
         allowed = sorted((arms._ARM_KEYS - {"stats_sha256"}) | {"samples", "seed", "max_new_tokens"})

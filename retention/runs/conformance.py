@@ -31,10 +31,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from retention.errors import RetentionError
 from retention.runs.conformance_routing import CHECKERS as ROUTING_CHECKERS
 from retention.runs.conformance_routing import ROUTINGS
+from retention.runtime.cache import CacheView
+from retention.scorers.base import topk_keep
+from retention.scorers.calibration import QueryStats
+from retention.scorers.h2o import H2O, attention_mass
+from retention.scorers.rkv import RKV, key_redundancy, rkv_scores
+from retention.scorers.snapkv import SnapKV, group_max_logits, pool_candidates, window_attention_mean, window_importance
+from retention.scorers.triattention import (OFFSETS, TriAttention, global_union_keep, head_scores, query_weights,
+                                            zscore_rows)
 
 SCORERS = ("triattention_score", "snapkv_decode", "rkv", "h2o")
 # README tolerances (absolute unless noted).
@@ -171,8 +180,6 @@ def case_files(directory: Path) -> list[Path]:
 def load_case(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(sidecar, tensors) of one case. The sidecar is the file the safetensors metadata names, else
     the `.json` beside it with the same stem."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
@@ -227,9 +234,6 @@ def check_dir(directory: Path | None = None) -> list[CaseResult]:
 
 
 def _check_triattention(p: dict, t: dict, res: CaseResult) -> None:
-    from retention.scorers.base import topk_keep
-    from retention.scorers.triattention import global_union_keep, head_scores, query_weights, zscore_rows
-
     keys = t["keys_postrope"].float()  # [L, 1, G, n, d]
     L, _, G, n, _ = keys.shape
     b = int(p["budget"])
@@ -289,10 +293,6 @@ def tri_z_tolerance(raw: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
 def _tri_class_check(p, t, res, keys, qm, b, prefix, agg_tol) -> None:
     """The `triattention` scorer class itself on this case, when the case uses its fixed
     configuration (the 17 default offsets, unit frequency weights, no pinned prefix)."""
-    from retention.runtime.cache import CacheView
-    from retention.scorers.calibration import QueryStats
-    from retention.scorers.triattention import OFFSETS, TriAttention
-
     scale = t.get("freq_scale_sq")
     if (prefix or "keep_per_head" not in t or tuple(t["offsets"].tolist()) != tuple(float(o) for o in OFFSETS)
             or (scale is not None and not bool((scale == 1).all()))):
@@ -316,8 +316,6 @@ def _classes(t: dict, cls: str, quota: str):
 def _window_case(p: dict, t: dict):
     """Inputs common to SnapKV and R-KV: keys `[1, G, n, d]`, queries `[1, H, w, d]`, the candidate
     mask (the first n - w slots), the logit scale, and a `CacheView` of the case (positions = slots)."""
-    from retention.runtime.cache import CacheView
-
     keys, queries = t["keys"].float(), t["window_queries"].float()
     _, G, n, d = keys.shape
     w = int(p["window"])
@@ -330,8 +328,6 @@ def _window_case(p: dict, t: dict):
 
 
 def _check_snapkv(p: dict, t: dict, res: CaseResult) -> None:
-    from retention.scorers.snapkv import SnapKV, group_max_logits, pool_candidates, window_attention_mean
-
     keys, queries, cand, scaling, view = _window_case(p, t)
     n_c = int(cand[0, 0].sum())
     kernel, b = int(p["kernel_size"]), int(p["budget"])
@@ -352,9 +348,6 @@ def _check_snapkv(p: dict, t: dict, res: CaseResult) -> None:
 
 
 def _check_rkv(p: dict, t: dict, res: CaseResult) -> None:
-    from retention.scorers.rkv import RKV, key_redundancy, rkv_scores
-    from retention.scorers.snapkv import window_importance
-
     if p.get("retain_direction", "last") != "last":
         res.fail(f"retain_direction {p['retain_direction']!r}: only 'last' is implemented")
         return
@@ -388,9 +381,6 @@ def _check_rkv(p: dict, t: dict, res: CaseResult) -> None:
 def _check_h2o(p: dict, t: dict, res: CaseResult) -> None:
     """Stateful: the `h2o` scorer accumulates over the prefill and `T` decode steps, evicting
     whenever the cache holds more than `hh + recent` slots, on its own kept cache."""
-    from retention.runtime.cache import CacheView
-    from retention.scorers.h2o import H2O, attention_mass
-
     q, k = t["queries"].float(), t["keys"].float()  # [1, H, N, d]
     _, H, N, d = k.shape
     P, T = int(p["prefill_len"]), int(p["decode_steps"])

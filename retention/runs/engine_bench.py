@@ -28,10 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from retention.errors import RetentionError
+from retention.models import load_model
+from retention.models.loading import model_layout
 from retention.runs.bench import context_prompt, speed_rows
+from retention.runs.engines.run import resolve_weights
 from retention.runs.engines.vllm_bench import BenchRequest, BenchResult, Point
+from retention.versions import library_versions
 
 ENGINES = ("hf", "vllm")
 VLLM_PYTHON_ENV = "RETENTION_VLLM_PYTHON"
@@ -131,8 +136,6 @@ def run_vllm_child(python: Path, request: BenchRequest, env: dict[str, str], ech
 def hf_figures(model: str, dtype: str, device: str, prompts: dict[int, list[int]], batch_sizes: list[int],
                new_tokens: int, echo: Callable[[str], None]) -> list[dict]:
     """`bench.speed_rows` of the `full` policy at every (context, batch size), after one short warm-up."""
-    from retention.models import load_model
-
     loaded = load_model(model, dtype=dtype, device=device)
     first = next(iter(prompts.values()))
     speed_rows(loaded, first, ["full"], None, 8, ["mean"], 1, None, {}, None)  # first-call overheads land on no point
@@ -152,12 +155,6 @@ def run_engine_bench(model: str, engines: list[str], dtypes: list[str], contexts
                      new_tokens: int, device: str, problems, *, enforce_eager: bool = False,
                      echo: Callable[[str], None] = print) -> dict:
     """Returns the JSON-ready figures (`comparison` is the table's rows); `echo` receives progress and the table."""
-    from transformers import AutoTokenizer
-
-    from retention.models.loading import model_layout
-    from retention.runs.engines.run import resolve_weights
-    from retention.versions import library_versions
-
     if new_tokens < 2:
         raise RetentionError("--max-new-tokens: the cross-engine bench times decode steps, so at least 2")
     python = vllm_python() if "vllm" in engines else None  # before anything is measured

@@ -23,6 +23,10 @@ from pathlib import Path
 
 from protocol.plans import ARMS, arm_config, build_plan, cell_identity, cell_key
 from retention.errors import RetentionError
+from retention.models.aliases import SPLIT_GGUFS, TINY_RANDOM_SEED, resolve_model
+from retention.models.loading import _folder_revision
+from retention.models.weights_cache import sha256_files, smollm2_gguf_path
+from retention.runs.arms import normalize_arm, validate_arm
 from retention.runtime.mechanisms import FAMILIES
 
 # Cadence keys of an arm whose default depends on the cell (the budget) and the scorer.
@@ -39,8 +43,6 @@ class ModelIdentity:
 
 
 def _smollm2_file() -> Path | None:
-    from retention.models.weights_cache import smollm2_gguf_path
-
     try:
         return smollm2_gguf_path()
     except RetentionError:
@@ -50,10 +52,6 @@ def _smollm2_file() -> Path | None:
 def model_identity(name: str) -> ModelIdentity:
     """The canonical name of model `name` and the content digest a plan pins for it (reads the weights
     of a local folder or GGUF file once: seconds per GB)."""
-    from retention.models.aliases import SPLIT_GGUFS, resolve_model
-    from retention.models.loading import _folder_revision
-    from retention.models.weights_cache import sha256_files
-
     ref = resolve_model(name)
     if ref.kind == "gguf-file":
         path = Path(os.path.realpath(ref.source))
@@ -84,8 +82,6 @@ def canonical_models(models, revisions: dict[str, str]) -> tuple[list[str], dict
     for model in models:
         ident = model_identity(model)
         given = revisions.get(model)
-        from retention.models.aliases import resolve_model
-
         kind = resolve_model(model).kind
         if given is not None and kind != "hub":
             actual = ident.revision if ident.revision is not None else _alias_revision(ident.name)
@@ -102,9 +98,6 @@ def canonical_models(models, revisions: dict[str, str]) -> tuple[list[str], dict
 
 def _alias_revision(alias: str) -> str:
     """The revision a content-pinned alias loads as (`LoadedModel.revision`), without loading it."""
-    from retention.models.aliases import SPLIT_GGUFS, TINY_RANDOM_SEED, resolve_model
-    from retention.models.weights_cache import sha256_files
-
     ref = resolve_model(alias)
     if ref.kind == "parts":
         return SPLIT_GGUFS[ref.source].sha256
@@ -115,8 +108,6 @@ def _alias_revision(alias: str) -> str:
 
 
 def _resolved(plan: dict, cell: dict, arm: str, cfg: dict) -> dict:
-    from retention.runs.arms import validate_arm
-
     plan = dict(plan, **{arm: cfg})
     try:
         return validate_arm(arm_config(plan, "0" * 64, cell, arm)).config
@@ -126,8 +117,6 @@ def _resolved(plan: dict, cell: dict, arm: str, cfg: dict) -> dict:
 
 def canonical_arm(plan: dict, arm: str) -> dict:
     """Arm `arm` of `plan` in canonical form (module docstring), validated in every cell."""
-    from retention.runs.arms import normalize_arm
-
     cfg = normalize_arm(plan[arm])
     configs = [_resolved(plan, cell, arm, cfg) for cell in plan["cells"]]
     params = [{k: v for k, v in c["scorer_params"].items() if k != "stats"} for c in configs]

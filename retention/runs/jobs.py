@@ -6,8 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from protocol.errors import ProtocolError
+from protocol.exploration import record_exploration
+from protocol.splits import load_split, run_problems
 from retention.errors import RetentionError
-from retention.runs.arms import _ARM_KEYS, validate_arm
+from retention.models import load_model, model_layout
+from retention.models.arch.deepseek import on_reference_mla
+from retention.models.layouts import tokens_for_bytes
+from retention.runs.arms import MAX_BUDGET, _ARM_KEYS, validate_arm
+from retention.runs.engines.run import execute_with_engine
+from retention.runs.runner import Arm, run_arms
+from retention.runs.scale.merge import open_shard_run
 from retention.runtime.mechanisms import FAMILIES
 
 
@@ -15,13 +23,8 @@ def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: fl
     """The token budget: --budget, or --budget-bytes converted through the model's cache layout."""
     if budget_kib is None:
         return budget
-    from retention.models.layouts import tokens_for_bytes
-    from retention.models import model_layout
-
     if budget is not None:
         raise RetentionError("give --budget (tokens) or --budget-bytes (KiB), not both")
-    from retention.runs.arms import MAX_BUDGET
-
     if not (0 < budget_kib < float("inf")):
         raise RetentionError(f"--budget-bytes must be a positive number of KiB, got {budget_kib:g}")
     layout = model_layout(model, dtype)
@@ -47,19 +50,12 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
     The model's prompt style goes into each configuration as `prompt` unless it is "chat".
     trace: record what each sequence's cache held (`--trace`, docs/records.md); not part of the
     configuration hash, noted in config.json, and a run directory resumes only with its own setting."""
-    from protocol.splits import run_problems
-    from retention.runs.scale.merge import open_shard_run
-    from retention.models import load_model
-    from retention.runs.runner import Arm, run_arms
-
     if problems is None:
         problems = run_problems(split, dataset, data_path=data_path, splits_dir=splits_dir)
         if limit:
             problems = problems[:limit]
     explores = split == "dev" and dataset != "math500"  # an AIME set has no dev split: this explores it
     if engine != "hf":
-        from retention.runs.engines.run import execute_with_engine
-
         if trace:
             raise RetentionError(f"--trace records this project's cache and needs --engine hf, not {engine}")
 
@@ -68,8 +64,6 @@ def execute(model, dtype, device, arm_specs, *, split, data_path, limit, samples
         return execute_with_engine(engine, model, dtype, device, arm_specs, problems, samples=samples, seed=seed,
                                    sampling=sampling, fidelity=fidelity, grade=grade, out=out, progress=progress,
                                    extra_config=extra_config, shard=shard)
-    from retention.models.arch.deepseek import on_reference_mla
-
     loaded = on_reference_mla(load_model(model, dtype=dtype, device=device))
     arms = []
     before = set(Path(out).iterdir()) if Path(out).is_dir() else set()
@@ -112,8 +106,6 @@ def remove_empty_run(path: Path) -> None:
 def _record_exploration(dataset: str, problems, config_hashes: list[str]) -> None:
     """Remember that these problems of `dataset`'s confirm set were explored (before decoding: a
     run stopped halfway has seen its problems too)."""
-    from protocol.exploration import record_exploration
-
     record_exploration(dataset, [p.unique_id for p in problems], config_hashes)
 
 
@@ -126,8 +118,6 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
     shard's pairs (`retention confirm --shard`); without it, complete shards are merged first.
     trace: `retention confirm --trace` (not part of the registered configuration).
     """
-    from protocol.splits import load_split
-
     cfg = dict(arm_config)
     unknown = sorted(set(cfg) - _ARM_KEYS - {"model", "budget", "samples", "seed", "max_new_tokens", "split",
                                              "plan_hash", "model_revision", "prompt"})

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.io import load_json_object, read_jsonl
+from protocol.splits import run_problems
 from retention.errors import RetentionError
+from retention.models import load_model
+from retention.models.arch.deepseek import on_reference_mla
+from retention.plugins import differing_keys
+from retention.runs.arms import validate_arm
+from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed, run_prompts
+from retention.runtime.engine import Request, SamplingConfig, run_engine
+from retention.scorers.calibration import default_stats_path
 
 # Keys `execute` adds to a configuration after validation (from the loaded model).
 _LOADED_KEYS = ("model_id", "model_revision", "prompt", "model_quant")
@@ -97,17 +105,12 @@ def _stats_path(config: dict, stats: str | None) -> str | None:
         return None
     if stats is not None:
         return stats
-    from retention.scorers.calibration import default_stats_path
-
     return str(default_stats_path(config["model"]))
 
 
 def rebuild_arm(meta: dict, stats: str | None = None):
     """The `ArmSpec` of a run's `config.json`, validated as `run`
     validates it. Refuses a configuration that no longer rebuilds to the recorded one."""
-    from retention.plugins import differing_keys
-    from retention.runs.arms import validate_arm
-
     recorded = meta.get("config")
     if not isinstance(recorded, dict):
         raise RetentionError("config.json has no 'config' object")
@@ -128,8 +131,6 @@ def rebuild_arm(meta: dict, stats: str | None = None):
 
 def _problems(config: dict, splits_dir) -> list:
     """The run's problems, in its order (its `limit` applied)."""
-    from protocol.splits import run_problems
-
     problems = run_problems(config.get("split", "dev"), config.get("dataset", "math500"),
                             data_path=config.get("data"), splits_dir=splits_dir)
     return problems[: config["limit"]] if config.get("limit") else problems
@@ -138,11 +139,6 @@ def _problems(config: dict, splits_dir) -> list:
 def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = None,
               splits_dir=None) -> Reproduction:
     """Decode the first `limit` records of `run_dir` (all when None) again and compare their tokens."""
-    from retention.models import load_model
-    from retention.models.arch.deepseek import on_reference_mla
-    from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed, run_prompts
-    from retention.runtime.engine import Request, SamplingConfig, run_engine
-
     current_code = code_version()  # now: the code imported is the code of the start, not of the end
     run_dir = Path(run_dir)
     meta = load_json_object(run_dir / "config.json", "run configuration")

@@ -15,6 +15,7 @@ write-order and resume invariant, kept in one place.)
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import re
@@ -24,12 +25,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
+from protocol import grading
 from protocol.io import (append_line, ensure_dir, jsonl_line, load_json_object, read_jsonl,
                          write_atomic, write_json)
+from protocol.shards import record_files
 from retention import __version__
-from retention.versions import library_versions
 from retention.errors import RetentionError
+from retention.models import format_prompt, output_text
+from retention.plugins import differing_keys, refuse_other_code, stable_identity
+from retention.runs.scale.shard import shard_pairs, shard_size
+from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
+from retention.runtime.engine import Request, SamplingConfig, run_engine
+from retention.runtime.trace import CacheTracer
+from retention.versions import library_versions
 
 # Bumped when the meaning of a configuration field changes; plans and ledgers record it.
 CONFIG_SCHEMA_VERSION = 1
@@ -60,8 +71,6 @@ def run_id_for(config: dict) -> str:
     """`<model>-<scorer>-<budget>-<hash>`. The hash covers the configuration except what changes with
     a plugin's code (its version and source sha256s): a changed plugin then finds the run directory of
     the old code and is refused there, naming what changed, instead of silently starting a new run."""
-    from retention.plugins import stable_identity
-
     model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(config["model"])).name) or "model"
     scorer = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(config["scorer"]).rpartition("/")[2]) or "scorer"
     budget = "full" if config.get("budget") is None else f"b{config['budget']}"
@@ -152,8 +161,6 @@ class RunDir:
 
     def __post_init__(self):
         if not (self.path / "config.json").exists():
-            from retention.plugins import refuse_other_code
-
             refuse_other_code(self.path, self.config)  # before anything is created
         ensure_dir(self.path, "run directory")
         # One writer per records file: shards of a run share the directory, not their files.
@@ -172,8 +179,6 @@ class RunDir:
         if cfg_file.exists():
             existing = load_json_object(cfg_file, "run configuration")
             if existing.get("config_hash") != h:
-                from retention.plugins import differing_keys
-
                 old = existing.get("config")
                 keys = differing_keys(old, self.config) if isinstance(old, dict) else []
                 what = f" ({', '.join(keys)} differ)" if keys else ""
@@ -197,8 +202,6 @@ class RunDir:
     def _settle_trace(self, cfg_file: Path, meta: dict) -> None:
         """Resume only with the directory's own --trace setting (absent: untraced, as every run before
         traces); a directory that holds no record yet takes the new one."""
-        from protocol.shards import record_files
-
         was = bool(meta.get("trace", False))
         if was == self.trace:
             return
@@ -250,8 +253,6 @@ class RunDir:
 
 def _hold_lock(run_dir: Path, name: str = ".lock"):
     """An open file holding an exclusive flock on `<run dir>/<name>` (non-blocking)."""
-    import fcntl
-
     fh = open(run_dir / name, "a")
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -265,8 +266,6 @@ def _hold_lock(run_dir: Path, name: str = ".lock"):
 def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tuple[int, int]:
     """(total, missing) generations of all pairs or of one shard's; counted without materialising
     the pairs (each arm's store holds only its own shard's records)."""
-    from retention.runs.scale.shard import shard_size
-
     total = shard_size(len(problems) * samples, shard) * len(arms)
     ids = {p.unique_id for p in problems}
     done = sum(1 for a in arms for pid, s in a.run.records.done if pid in ids and s < samples)
@@ -327,8 +326,6 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
 
 
 def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, slots: int) -> dict:
-    from retention.models import output_text
-
     return make_record(config_hash=arm.run.hash, problem_id=p.unique_id, sample=s, seed=seed,
                        prompt_tokens=len(prompt), token_ids=g.token_ids,
                        text=output_text(tok, prompt, g.token_ids), finish_reason=g.finish_reason,
@@ -339,8 +336,6 @@ def _record(arm: Arm, p, s: int, seed: int, prompt: list[int], g, tok, grader, s
 
 def run_prompts(loaded, problems) -> dict[str, list[int]]:
     """The prompt token ids of every problem of a run, by problem id (the longest sizes the rows)."""
-    from retention.models import format_prompt
-
     style = getattr(loaded, "prompt", "chat")
     return {p.unique_id: format_prompt(loaded.tokenizer, p.problem, style) for p in problems}
 
@@ -361,20 +356,10 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them). trace: record
     what each sequence's cache held (`retention.runtime.trace.CacheTracer`) into its trace line.
     """
-    from tqdm import tqdm
-
-    from retention.runs.scale.shard import shard_pairs
-    from retention.runs.slots import auto_batch_size, resolve_slots
-    from retention.runtime.engine import Request, SamplingConfig, run_engine
-    from retention.runtime.trace import CacheTracer
-
     mixed = [a.run.path for a in arms if a.run.trace != trace]
     if mixed:  # a traced directory takes only traced records, and the other way round
         raise RetentionError(f"{mixed[0]} is opened with trace={not trace}, the run with trace={trace}")
-    grader = None
-    if grade:
-        from protocol.grading import grade as grader
-
+    grader = grading.grade if grade else None
     tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token

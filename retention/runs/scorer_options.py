@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from retention.errors import RetentionError
+from retention.runtime.mechanisms import FAMILIES, mechanism_class, mechanism_fields
+from retention.scorers import Scorer, get_scorer_class, is_builtin
 
 # Shared option -> the scorer parameter it sets.
 SHARED = {"--lambda": "lam", "--radius": "radius", "--window": "window", "--stats": "stats"}
@@ -29,8 +31,6 @@ LAMBDA_MEANING = {"alpha": "redundancy penalty weight", "rkv": "importance mixin
 
 def scorer_fields(name: str) -> dict[str, dataclasses.Field]:
     """The settable parameters of scorer `name` (its public dataclass fields)."""
-    from retention.scorers import get_scorer_class
-
     return {f.name: f for f in dataclasses.fields(get_scorer_class(name))
             if f.init and not f.name.startswith("_") and f.name != "seed"}
 
@@ -52,8 +52,6 @@ def _listed(scorer: str, names: list[str]) -> str:
     `--scorer mypkg.scorers:KeyNorm`, whose class says `name = "keynorm"`)."""
     if scorer in names:
         return scorer
-    from retention.scorers import Scorer, get_scorer_class, is_builtin
-
     if scorer == Scorer.name:  # a plugin that names itself nothing inherits the base class's placeholder
         return scorer
     by_name = [n for n in names if not is_builtin(n) and getattr(get_scorer_class(n), "name", None) == scorer]
@@ -116,8 +114,6 @@ def mechanism_options(params: tuple[str, ...], chosen: dict[str, str | None], sc
     default). `--param NAME.KEY=VALUE` whose NAME is a chosen mechanism (or its class's `name`) sets
     that mechanism's parameter; the rest are scorer parameters (`parse_params`). Returns (the scorer
     `--param` values, family -> the arm configuration's entry: a name or `{"name", "params"}`)."""
-    from retention.runtime.mechanisms import FAMILIES, mechanism_class, mechanism_fields
-
     names = {}
     for fam, name in chosen.items():
         if name is None or name == FAMILIES[fam].default:

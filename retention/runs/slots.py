@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from protocol.io import load_json_object, write_json
 from retention.errors import RetentionError
 
@@ -37,8 +39,6 @@ class SlotChoice:
 def available_bytes(device) -> int | None:
     """Memory a run can use now: free GPU memory on CUDA, MemAvailable (/proc/meminfo) on a CPU
     (None where neither can be read)."""
-    import torch
-
     dev = torch.device(device)
     if dev.type == "cuda":
         return int(torch.cuda.mem_get_info(dev)[0])
@@ -67,8 +67,6 @@ def auto_batch_size(loaded, cadences, max_new_tokens: int, longest_prompt: int =
                     fidelity: bool = False, pairs: int | None = None) -> SlotChoice:
     """The largest slot count whose caches (the largest of `cadences`' arms) fit in `MEMORY_SHARE`
     of the available memory, at most `MAX_SLOTS` for the device type and the run's `pairs`."""
-    import torch
-
     kind = torch.device(loaded.device).type
     cap = MAX_SLOTS.get(kind, MAX_SLOTS["cpu"])
     per_slot = max(slot_kib(c, loaded.geometry.kib_per_token, longest_prompt, max_new_tokens, fidelity)

@@ -98,11 +98,13 @@ def _eager_for(module) -> Callable:
     """The `eager_attention_forward` of the module's own modeling file (models define their own)."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
+        # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
         from transformers.models.llama.modeling_llama import eager_attention_forward as fn
     return fn
 
 
 def _make_capture_fn(original: str) -> Callable:
+    # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def capture_attention(module, query, key, value, attention_mask, **kwargs):
@@ -121,6 +123,7 @@ def _make_capture_fn(original: str) -> Callable:
 
 def _capture_name(original: str) -> str:
     """Register (once) the recording attention + mask functions that stand in for `original`."""
+    # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from retention.models.layouts import layout_from_config, tokens_for_bytes
 from retention.runtime.engine import (Fidelity, Generation, ModelAdapter, Request, SamplingConfig, cache_kwarg, forward_step,
                               run_engine, sample_next)
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy, cadence_for
+from retention.scorers import make_scorer
 
 __all__ = ["Fidelity", "Generation", "SamplingConfig", "forward_step", "generate", "sample_next", "cache_kwarg",
            "decode"]
@@ -51,9 +53,6 @@ def decode(model, token_ids: list[int], prompt_length: int, scorer: str = "full"
     """Teacher-forced decode of `token_ids` (the first `prompt_length` as one prefill, then one token
     per step) of any model the engine runs, through the engine's adapter, cache and policy; the
     logits after each forward and what the cache held. `on_compaction(cache)` after each compaction."""
-    from retention.models.layouts import layout_from_config, tokens_for_bytes
-    from retention.scorers import make_scorer
-
     adapter = ModelAdapter(model)
     sc = make_scorer(scorer, window=window)
     if budget_bytes is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 from retention.errors import RetentionError
+from retention.plugins import class_identity, entry_point_names, load_plugin
 from retention.runtime.cache import CacheView
 from retention.scorers.base import Scorer, WindowScorer, topk_keep
 
@@ -63,9 +64,7 @@ def get_scorer_class(name: str) -> type[Scorer]:
     _load_all()
     if name in _REGISTRY:
         return _REGISTRY[name]
-    from retention.plugins import entry_point_names, load_plugin
-
-    cls = load_plugin(name)
+    cls = load_plugin(name, Scorer)
     if cls is None:
         installed = entry_point_names()
         more = f"; installed plugins: {', '.join(installed)}" if installed else ""
@@ -84,10 +83,7 @@ def scorer_identity(name: str) -> dict | None:
     _load_all()
     if name in _REGISTRY:
         return None
-    from retention.plugins import plugin_identity
-
-    get_scorer_class(name)  # one error line for an unknown name
-    return plugin_identity(name)
+    return class_identity(get_scorer_class(name), name)  # one error line for an unknown name
 
 
 def reads_refusal(name: str, reads, provides: frozenset[str], cache_name: str) -> str | None:

@@ -54,7 +54,9 @@ from typing import ClassVar
 
 import torch
 
+from retention.errors import RetentionError
 from retention.runtime.cache import CacheView
+from retention.runtime.capture import capture_queries
 
 
 def topk_keep(scores: torch.Tensor, protected: torch.Tensor, k: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,8 +150,6 @@ class WindowScorer(Scorer):
     _recorder: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
-        from retention.errors import RetentionError
-
         if self.window <= 0:
             raise RetentionError(f"--window must be a positive number of tokens, got {self.window}")
 
@@ -162,8 +162,6 @@ class WindowScorer(Scorer):
 
     @contextlib.contextmanager
     def _attached(self, model):
-        from retention.runtime.capture import capture_queries
-
         with capture_queries(model) as rec:
             self._recorder = rec
             try:

@@ -40,9 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from retention import __version__
 from retention.errors import RetentionError
+from retention.models import ALIASES, CacheGeometry, cache_root
 
 STATS_FORMAT = 1
 META_KEY = "retention_stats"
@@ -58,8 +61,6 @@ GEOMETRY_KEYS = ("layers", "q_heads", "kv_heads", "head_dim", "rope_theta", "rop
 
 def model_geometry(model) -> dict[str, Any]:
     """Layers, query/KV heads, head dim, RoPE theta and scaling of a decoder model (JSON-ready)."""
-    from retention.models import CacheGeometry
-
     g = CacheGeometry.from_config(model.config)
     return {
         "layers": g.layers,
@@ -162,8 +163,6 @@ _KIND_TEXT = {None: "per-head query statistics", "latent": "latent (MLA) statist
 def save_stats_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
     """Write statistics `tensors` (float32) and `meta` (JSON under `META_KEY`) to a safetensors file,
     atomically: never leave a half-written stats file where a run would find it."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -176,8 +175,6 @@ def save_stats_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta:
 def load_stats_tensors(path: str | Path, names, kind: str | None) -> tuple[dict[str, torch.Tensor], dict]:
     """The tensors `names` and the metadata of a statistics file of `kind` (None: per-head, "latent");
     one `RetentionError` line for a missing file, a file of the other kind or not a statistics file."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path)
     if not path.is_file():
         raise RetentionError(f"no calibration statistics at {path}")
@@ -283,8 +280,6 @@ def calibrate(
 def stats_name(model_name: str) -> str:
     """File stem for a model name as given to `--model`: its alias (a hub id of an alias maps to the
     alias), else the last component of the path or hub id, with unusual characters replaced."""
-    from retention.models import ALIASES
-
     if model_name in ALIASES:
         return model_name
     for alias, spec in ALIASES.items():
@@ -296,8 +291,6 @@ def stats_name(model_name: str) -> str:
 
 def default_stats_path(model_name: str) -> Path:
     """`<cache root>/stats/<model-name>.safetensors` (cache root: `$RETENTION_CACHE_DIR` or the user cache)."""
-    from retention.models import cache_root
-
     return cache_root() / "stats" / f"{stats_name(model_name)}.safetensors"
 
 
@@ -319,8 +312,6 @@ def load_stats(path: str | Path | None, model) -> QueryStats:
                 "pass --stats FILE (written by `retention calibrate --model ... --out FILE`)"
             )
         if not Path(path).is_file():
-            from retention.models import ALIASES
-
             # An alias when the model came from one, else the folder or hub id it was loaded from.
             hint = path.stem if path.stem in ALIASES else model.config.name_or_path
             raise RetentionError(

@@ -35,10 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from retention.errors import RetentionError
-from retention.scorers.calibration import (DEFAULT_CHUNK, META_KEY, default_stats_path, load_stats_tensors,
-                                          save_stats_tensors, stats_meta)
+from retention.models.arch.configs import TINY
+from retention.models.arch.deepseek import SUPPORTED, DeepseekReference
+from retention.models.arch.model import ArchLM
+from retention.models.arch.modules import MLAttention
+from retention.scorers.calibration import (DEFAULT_CHUNK, META_KEY, QueryStats, default_stats_path, load_stats_tensors,
+                                           save_stats_tensors, stats_meta)
 from retention.scorers.latent import rope_bands
 
 KIND = "latent"
@@ -103,8 +108,6 @@ def _rope_inv_freq(theta: float, d: int) -> torch.Tensor:
 
 
 def _tiny_name(config) -> str:
-    from retention.models.arch.configs import TINY
-
     return next((name for name, cfg in TINY.items() if cfg == config), "")
 
 
@@ -112,10 +115,6 @@ def latent_model(model) -> LatentModel | None:
     """The `LatentModel` of an MLA model (see the module doc), None for any other model.
 
     Raises `RetentionError` for a latent layout nothing is derived on in code (path-on-MLA)."""
-    from retention.models.arch.deepseek import SUPPORTED, DeepseekReference
-    from retention.models.arch.model import ArchLM
-    from retention.models.arch.modules import MLAttention
-
     if getattr(getattr(model, "config", None), "model_type", None) in SUPPORTED:
         model = DeepseekReference(model)  # shares every weight of the checkpoint
     if isinstance(model, DeepseekReference):
@@ -260,10 +259,6 @@ def load_latent_stats(path: str | Path | None, model, latent: LatentModel | None
 def read_stats_file(path: str | Path):
     """A statistics file of either kind, read without a model: `LatentStats` when its metadata says
     `"kind": "latent"`, else `retention.scorers.calibration.QueryStats` (one error line when it is neither)."""
-    from safetensors import SafetensorError, safe_open
-
-    from retention.scorers.calibration import QueryStats
-
     try:
         with safe_open(str(path), framework="pt") as f:
             kind = json.loads((f.metadata() or {}).get(META_KEY, "{}")).get("kind")

@@ -45,10 +45,11 @@ from typing import ClassVar
 
 import torch
 
-from retention.runtime.cache import CacheView
-from retention.scorers.calibration import QueryStats, load_stats, rotary_inv_freq
 from retention.errors import RetentionError
+from retention.runtime.cache import CacheView
 from retention.scorers.base import Scorer
+from retention.scorers.calibration import QueryStats, load_stats, rotary_inv_freq
+from retention.scorers.calibration_latent import latent_model, load_latent_stats
 from retention.scorers.frequency import OFFSETS, STD_FLOOR, future_phase, zscore_group_max, zscore_rows
 from retention.scorers.latent import LatentScoring, holds_latent
 
@@ -160,8 +161,6 @@ class TriAttention(Scorer):
     @contextlib.contextmanager
     def _attached(self, model):
         if self._stats is None and self._latent is None:  # loaded once per scorer (benchmarks attach per step)
-            from retention.scorers.calibration_latent import latent_model, load_latent_stats
-
             latent = latent_model(model)
             if latent is not None:
                 self.bind_latent(load_latent_stats(self.stats, model, latent), latent)

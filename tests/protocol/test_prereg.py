@@ -202,13 +202,13 @@ def test_confirm_refusals(plan_file, tmp_path, kw, match):
 
 
 def test_manifest_hash_read_from_splits_by_default(plan_file, tmp_path, monkeypatch):
-    import protocol.splits
+    import protocol.confirmation  # reads `protocol.splits.manifest_sha256`, imported at its top
 
     path, _ = plan_file
-    monkeypatch.setattr(protocol.splits, "manifest_sha256", lambda splits_dir=None, dataset="math500": "ef" * 32)
+    monkeypatch.setattr(protocol.confirmation, "manifest_sha256", lambda splits_dir=None, dataset="math500": "ef" * 32)
     with pytest.raises(ProtocolError, match="split manifest"):
         prereg.confirm(path, tmp_path / "c", FakeRunner(), code_version="0.1.0+gtest")
-    monkeypatch.setattr(protocol.splits, "manifest_sha256", lambda splits_dir=None, dataset="math500": MANIFEST)
+    monkeypatch.setattr(protocol.confirmation, "manifest_sha256", lambda splits_dir=None, dataset="math500": MANIFEST)
     assert len(prereg.confirm(path, tmp_path / "c", FakeRunner(), code_version="0.1.0+gtest")) == 2
 
 

@@ -79,7 +79,7 @@ def test_first_difference():
 def test_a_bfloat16_full_cache_run_reproduces_from_any_records(tmp_path, monkeypatch):
     """In bfloat16 a record depends on its slot count and on the rows' size (the run's longest
     prompt, for `full`): a record reproduced alone is decoded at both, token for token."""
-    from retention.runtime import engine
+    from retention.runs import reproduce
 
     out = tmp_path / "runs"
     args = ["--model", "tiny-random", "--dtype", "bfloat16", "--quiet", "--scorer", "full", "--limit", "4",
@@ -89,8 +89,8 @@ def test_a_bfloat16_full_cache_run_reproduces_from_any_records(tmp_path, monkeyp
     path = d / "records.jsonl"  # the record of the shortest prompt first: alone it would size rows smaller
     records = sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda r: r["prompt_tokens"])
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    seen, real = [], engine.run_engine
-    monkeypatch.setattr(engine, "run_engine", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    seen, real = [], reproduce.run_engine
+    monkeypatch.setattr(reproduce, "run_engine", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     res = _reproduce(d, "--limit", "1")
     assert res.exit_code == 0 and res.output.splitlines()[-1] == "1 of 1 record(s) identical", res.output
     assert [(kw["batch_size"], kw["max_prompt"]) for kw in seen] == [(3, records[-1]["prompt_tokens"])]

@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from retention.models.arch.configs import ArchConfig
-from retention.models.arch.model import ArchLM, build_arch, count_parameters
 from retention.dtypes import resolve_dtype
 from retention.errors import RetentionError
+from retention.models.arch.configs import ArchConfig
+from retention.models.arch.model import ArchLM, build_arch, count_parameters
+from retention.versions import library_versions
 
 # The figure's grid (issue 14): contexts 512, 2k, 8k at batch 8, the median of 3 timed steps.
 STUDY_CONTEXTS = (512, 2048, 8192)
@@ -152,8 +153,6 @@ def describe(config: ArchConfig) -> dict:
 def run_layout_bench(names: list[str], contexts: list[int], batch_sizes: list[int], *, steps: int, dtype: str,
                      device: str, echo: Callable[[str], None] = print) -> dict:
     """The JSON figures of `retention bench --layouts`: the configurations, then the rows."""
-    from retention.versions import library_versions
-
     configs = {n: {**describe(VARIANTS[n].config), "absorb": VARIANTS[n].absorb,
                    "parameters": count_parameters(VARIANTS[n].config),
                    "bytes_per_token": VARIANTS[n].config.cache_layout().with_dtype(dtype).bytes_per_token}

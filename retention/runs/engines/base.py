@@ -14,7 +14,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from tqdm import tqdm
+
+from protocol import grading
 from retention.errors import RetentionError
+from retention.models import format_prompt, output_text
+from retention.runs.runner import derive_seed, make_record
+from retention.runs.scale.shard import shard_pairs
+from retention.runtime.meter import BudgetMeter
+from retention.scorers import get_scorer_class
 
 
 @dataclass(frozen=True)
@@ -46,8 +54,6 @@ def full_cache_meter(prompt_tokens: int, output_tokens: int, kib_per_token: floa
     """The `BudgetMeter` this project's engine fills for a full-cache generation: prefill of the
     prompt, then one decode step per generated token but the last, each attending to one more
     token. Fed step by step (integers, no tensors) so that summary and trace are identical."""
-    from retention.runtime.meter import BudgetMeter
-
     meter = BudgetMeter(kib_per_token=kib_per_token, budget=None)
     meter.record_prefill([prompt_tokens])
     for step in range(1, output_tokens):
@@ -58,8 +64,6 @@ def full_cache_meter(prompt_tokens: int, output_tokens: int, kib_per_token: floa
 def build_record(c: Completion, *, config_hash: str, text: str, gold, cadence, kib_per_token: float,
                  batch_size: int, grader=None, problem: str | None = None) -> tuple[dict, tuple[list[int], list[float]]]:
     """The record of one completion (`retention.runs.runner.make_record`) and its cache trace."""
-    from retention.runs.runner import make_record
-
     meter = full_cache_meter(len(c.request.prompt_ids), len(c.token_ids), kib_per_token)
     record = make_record(config_hash=config_hash, problem_id=c.request.problem_id, sample=c.request.sample,
                          seed=c.request.seed, prompt_tokens=len(c.request.prompt_ids), token_ids=c.token_ids,
@@ -71,8 +75,6 @@ def build_record(c: Completion, *, config_hash: str, text: str, gold, cadence, k
 
 def refuse_evicting(arm_specs, engine_name: str) -> None:
     """Another engine has no retention cache: an evicting scorer would silently run full-cache."""
-    from retention.scorers import get_scorer_class
-
     evicting = [spec.name for spec in arm_specs if get_scorer_class(spec.name).evicts]
     if evicting:
         raise RetentionError(f"--engine {engine_name} runs non-evicting arms only (full): {evicting} evict tokens "
@@ -85,15 +87,7 @@ def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, probl
                     batch: int = 64, progress: bool = True, prompt_style: str = "chat") -> None:
     """Generate every missing (problem, sample) record of every arm through `engine`, `batch`
     requests at a time (records are flushed after each batch, so an interrupted run resumes)."""
-    from tqdm import tqdm
-
-    from retention.models import format_prompt, output_text
-    from retention.runs.runner import derive_seed
-    from retention.runs.scale.shard import shard_pairs
-
-    grader = None
-    if grade:
-        from protocol.grading import grade as grader
+    grader = grading.grade if grade else None
     pairs = [(problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)]
     gold = {p.unique_id: getattr(p, "answer", None) for p, _ in pairs}
     text_of = {p.unique_id: getattr(p, "problem", None) for p, _ in pairs}

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import GenerationConfig
+
 from retention.errors import RetentionError
+from retention.models import CacheGeometry, prompt_style
+from retention.models.aliases import ALIASES, SPLIT_GGUFS
+from retention.models.gguf import locate_parts
+from retention.models.loading import weights_reference
+from retention.models.weights_cache import _read_marker, cache_root
+from retention.runs.engines import engine_factory
+from retention.runs.engines.base import refuse_evicting, run_engine_arms
+from retention.runs.runner import Arm
+from retention.runs.scale.merge import open_shard_run
 
 
 def resolve_weights(name: str) -> tuple[str, str, str]:
@@ -15,10 +26,6 @@ def resolve_weights(name: str) -> tuple[str, str, str]:
     GGUF model: when they are not installed, it loads the converted folder that this project's
     environment wrote, once that folder's marker says it was converted from the pinned GGUF (the
     parts were verified then). Installed parts are verified as `load_model` verifies them."""
-    from retention.models.aliases import ALIASES, SPLIT_GGUFS
-    from retention.models.gguf import locate_parts
-    from retention.models.loading import weights_reference
-
     alias = ALIASES.get(name)
     if alias is not None and alias.kind == "parts":
         spec = SPLIT_GGUFS[alias.source]
@@ -36,8 +43,6 @@ def resolve_weights(name: str) -> tuple[str, str, str]:
 def _converted_split_model(spec) -> tuple[str, str, str] | None:
     """(folder, model_id, revision) of split GGUF model `spec` (`SplitGGUF`) from its conversion
     cache alone, or None when its folder was not converted from the pinned GGUF."""
-    from retention.models.weights_cache import _read_marker, cache_root
-
     folder = cache_root() / "models" / spec.alias
     info = _read_marker(folder)
     if info is None or info.get("source_sha256") != spec.sha256:
@@ -51,13 +56,8 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
     """What `retention.cli.run_cmd.execute` does, through the engine `engine_name` (non-evicting
     arms only). The engine's name and version join the configuration (so its runs never mix with
     this project's engine's) and `factory` (tests) replaces the registered engine class."""
+    # deferred: transformers' Auto classes add ~0.3 s to CLI start-up (the CLI imports this module)
     from transformers import AutoConfig, AutoTokenizer
-
-    from retention.runs.engines import engine_factory
-    from retention.runs.engines.base import refuse_evicting, run_engine_arms
-    from retention.runs.scale.merge import open_shard_run
-    from retention.models import CacheGeometry, prompt_style
-    from retention.runs.runner import Arm
 
     refuse_evicting(arm_specs, engine_name)
     if fidelity:
@@ -82,8 +82,6 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
 def _generation_eos(weights: str) -> list[int]:
     """EOS ids of the model's generation_config.json (what this project's engine stops on too)."""
     try:
-        from transformers import GenerationConfig
-
         eos = GenerationConfig.from_pretrained(weights).eos_token_id
     except OSError:
         return []

@@ -22,6 +22,7 @@ KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 def _vllm():
     try:
+        # deferred: optional dependency (vllm extra)
         import vllm
     except ImportError as exc:
         raise RetentionError(f"--engine vllm needs vllm ({exc}); see `make test-vllm` for a separate environment") from None
@@ -66,6 +67,7 @@ class VllmEngine:
             stop_token_ids=sorted(eos_ids), skip_special_tokens=True, detokenize=False)
 
     def complete(self, requests: Sequence[Request], sampling: dict, eos_ids: set[int]) -> Iterator[Completion]:
+        # deferred: optional dependency (vllm extra)
         from vllm.inputs import TokensPrompt
 
         if not requests:

@@ -93,6 +93,7 @@ class BenchResult:
 
 def _generate(llm, prompt_ids: tuple[int, ...], batch_size: int, max_tokens: int) -> float:
     """Wall seconds of one greedy `generate` of `batch_size` copies; every copy must decode `max_tokens`."""
+    # deferred: optional dependency (vllm extra)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -109,7 +110,8 @@ def _generate(llm, prompt_ids: tuple[int, ...], batch_size: int, max_tokens: int
 
 def measure(request: BenchRequest) -> BenchResult:
     """Start vLLM once on the request's model and dtype, warm it up, then time every point."""
-    import vllm  # only in the child, in vLLM's environment (module doc)
+    # deferred: optional dependency (vllm extra), only in the child, in vLLM's environment (module doc)
+    import vllm
     from vllm.platforms import current_platform
 
     if not request.points:

@@ -11,10 +11,16 @@ shards) and confirms each cell once, as an unsharded confirmation does.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
+from protocol import prereg
+from protocol.confirmation import check_overrides
+from protocol.ledger import Registry
 from retention.errors import RetentionError
+from retention.runs.jobs import confirm_runner
 
 
 def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, cells=None,
@@ -28,11 +34,6 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, ce
     must take a `shard` keyword, with which it only generates that shard's pairs (the runner contract
     of `protocol.prereg`); validate: called with every arm configuration before anything is written
     (input errors); registry: the user-level registry (default: `protocol.ledger.Registry()`)."""
-    from protocol import prereg
-    from protocol.confirmation import check_overrides
-    from protocol.ledger import Registry
-    from retention.runs.jobs import confirm_runner
-
     plan, h = prereg.load_plan(Path(plan_path))
     current = manifest_hash or prereg._current_manifest_hash(plan.get("dataset", "math500"))
     if current != plan["split_manifest_sha256"]:
@@ -79,9 +80,6 @@ def generate_confirm_shard(plan_path: Path, out: Path, shard, *, runner=None, ce
 
 def _takes_shard(runner) -> bool:
     """Whether `runner` accepts a `shard` keyword (named, or through **kwargs)."""
-    import functools
-    import inspect
-
     target = runner.func if isinstance(runner, functools.partial) else runner
     try:
         params = inspect.signature(target).parameters.values()

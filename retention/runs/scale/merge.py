@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol import shards as layout
+from protocol.report import find_run_dirs
+from protocol.splits import manifest_sha256, run_problems
 from retention.errors import RetentionError
+from retention.runs.runner import code_version, open_run, run_id_for
 from retention.runs.scale.shard import RULE, Shard, shard_of, shard_pairs, write_sidecar
 
 
@@ -116,8 +119,6 @@ def _jsonl_lines(path: Path) -> list[tuple[bytes, dict]]:
 
 def find_parts(paths) -> list[Part]:
     """The shards in `paths`: run directories, or folders searched for run directories."""
-    from protocol.report import find_run_dirs
-
     parts = []
     for d in find_run_dirs(paths):
         shard_files = layout.shard_record_files(d)
@@ -142,8 +143,6 @@ def _differing_keys(a: dict, b: dict) -> list[str]:
 
 def _expected_pairs(config: dict) -> list[tuple[str, int]]:
     """Every (problem_id, sample) of a run, in run order (pair j is the j-th), from its configuration."""
-    from protocol.splits import run_problems
-
     problems = run_problems(config["split"], config.get("dataset", "math500"), config.get("data"))
     if config.get("limit"):
         problems = problems[: int(config["limit"])]
@@ -331,8 +330,6 @@ def open_shard_run(out: Path, config: dict, shard: Shard | None, trace: bool = F
     merged or unsharded `records.jsonl`; the shard's sidecar is (re)written. trace: `--trace` (the
     directory's setting, `RunDir.trace`).
     """
-    from retention.runs.runner import code_version, open_run, run_id_for
-
     run_dir = Path(out) / run_id_for(config)
     if shard is None:
         if layout.shard_record_files(run_dir):
@@ -353,8 +350,6 @@ def open_shard_run(out: Path, config: dict, shard: Shard | None, trace: bool = F
 
 def _manifest_sha256() -> str | None:
     try:
-        from protocol.splits import manifest_sha256
-
         return manifest_sha256(splits_dir=None)
     except Exception:  # noqa: BLE001 - no committed splits beside the package: nothing to record
         return None

@@ -19,8 +19,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from protocol import shards as layout
+from protocol.splits import run_problems
 from retention.errors import RetentionError
+from retention.runs.jobs import execute
+from retention.runs.scale.merge import consolidate
 from retention.runs.scale.shard import Shard
 
 
@@ -47,6 +52,7 @@ class RayOptions:
 
 def _import_ray():
     try:
+        # deferred: optional dependency (ray extra)
         import ray
     except ImportError:
         raise RetentionError("--ray needs the ray package: pip install 'retention[ray]'") from None
@@ -67,8 +73,6 @@ def _connect(ray, address: str | None) -> None:
 
 def run_shard(job: dict, shard: Shard) -> list[str]:
     """The body of one Ray task: generate one shard (resuming its records). Returns run dirs."""
-    from retention.runs.jobs import execute
-
     return [str(p) for p in execute(**job, shard=shard, progress=False)]
 
 
@@ -103,8 +107,6 @@ def launch(job: dict, opts: RayOptions, *, n_pairs: int, progress: bool = True) 
     """Run `job` (the keyword arguments of `execute`, without `shard`) as `opts.shards` Ray tasks
     and consolidate the run directories. n_pairs: (problem, sample) pairs of the whole run, for
     the progress bar. Returns the run directories."""
-    from tqdm import tqdm
-
     ray = _import_ray()
     _connect(ray, opts.address)
     task = ray.remote(run_shard).options(num_cpus=opts.cpus_per_shard, num_gpus=opts.gpus_per_shard,
@@ -133,8 +135,6 @@ def launch(job: dict, opts: RayOptions, *, n_pairs: int, progress: bool = True) 
         for ref in pending:
             ray.cancel(ref, force=True)
         bar.close()
-    from retention.runs.scale.merge import consolidate
-
     for d in run_dirs:
         if not d.is_dir():
             raise RetentionError(f"{d} is not visible from the driver: --out must be on a file system every "
@@ -175,8 +175,6 @@ def ray_options(job: dict, *, address: str | None, shards: int | None, gpus_per_
 
 def launch_from_cli(job: dict, opts: RayOptions, *, progress: bool) -> list[Path]:
     """`retention run --ray`: count the pairs, launch the shards, merge them."""
-    from protocol.splits import run_problems
-
     n_problems = len(run_problems(job["split"], job.get("dataset", "math500"), job["data_path"], job.get("splits_dir")))
     if job.get("limit"):
         n_problems = min(n_problems, int(job["limit"]))
