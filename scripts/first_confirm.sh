@@ -7,6 +7,10 @@
 #   2. preregister alpha vs TriAttention at budgets 128 and 256 (m = 2, Bonferroni, cluster bootstrap),
 #      the dev summary lines quoted in the plan's note;
 #   3. confirm each cell on the 299 confirm problems (one command per cell; `confirm` resumes).
+# On this project's machine the confirmation ran as plan b9c54459be6c (registered 2026-12-02 23:46 UTC,
+# same arms; its records were lost with the machine) and was regenerated under plan 4e30911dba14,
+# which supersedes it (results/first-confirm-qwen0.5b/README.md says how). A fresh registry runs
+# the three steps as written.
 # Run it from a clean checkout with OUT outside it (confirm refuses uncommitted changes and untracked
 # files), then copy OUT into results/. Runs and confirm cells resume, so a rerun goes on where it stopped. `timings.tsv` holds the wall seconds of each command.
 # STEPS="dev confirm full" picks steps (default: all, in the order dev, confirm, full).
