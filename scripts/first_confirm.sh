@@ -25,35 +25,34 @@ STEPS=${STEPS:-dev confirm full}
 mkdir -p "$OUT/dev"
 common=(--model "$MODEL" --dtype bfloat16 --max-new-tokens "$TOKENS" --temperature 0.6 --top-p 0.95
         --batch-size "$BATCH" --out "$OUT/dev/runs" --quiet)
-timed() {  # name, then the command; its seconds go to timings.tsv
-  local name=$1; shift
-  local start=$(date +%s)
-  "$@"
-  printf '%s\t%s\n' "$name" "$(( $(date +%s) - start ))" >> "$OUT/timings.tsv"
-}
+LOG=$OUT/dev/run.log
+TIMINGS=$OUT/timings.tsv
+source "$(dirname "$0")/arm.sh"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 if has dev; then
-  timed dev-triattention-128 bash -c "set -o pipefail; '$RETENTION' run ${common[*]} --scorer triattention --stats $STATS --budget 128 | tee -a '$OUT/dev/run.log'"
-  timed dev-alpha-128 bash -c "set -o pipefail; '$RETENTION' run ${common[*]} --scorer alpha --lambda 0.5 --stats $STATS --budget 128 | tee -a '$OUT/dev/run.log'"
+  arm dev-triattention-128 --scorer triattention --stats "$STATS" --budget 128
+  arm dev-alpha-128 --scorer alpha --lambda 0.5 --stats "$STATS" --budget 128
 fi
 
 if has confirm; then
   mkdir -p "$OUT/plans"
   if [ ! -s "$OUT/plan.txt" ]; then
-    dev=$(grep -h "records, accuracy" "$OUT/dev/run.log" | sed 's/^.*\(qwen2.5-coder-0.5b-[a-z]*-b[0-9]*\)-[0-9a-f]*: /\1: /' | paste -sd ';' -)
+    dev=$(grep -h "records, accuracy" "$LOG" | sed "s/^.*\($MODEL-[a-z]*-b[0-9]*\)-[0-9a-f]*: /\1: /" | paste -sd ';' -)
     note="alpha vs TriAttention, two-sided. lambda = 0.5 (the value every dev run used; not tuned further). Dev evidence before registration: all 201 dev problems at 768 tokens, budget 128: $dev. Earlier 64-problem dev runs: results/design-space-qwen0.5b (768 tokens) alpha - TriAttention +0.00 pp; results/real-signal-qwen0.5b-sampled (1024 tokens) +1.56 pp."
-    arm() { printf '{"scorer": "%s", "scorer_params": {%s"stats": "%s"}, "dtype": "bfloat16", "temperature": 0.6, "top_p": 0.95}' "$1" "$2" "$STATS"; }
+    arm_json() { printf '{"scorer": "%s", "scorer_params": {%s"stats": "%s"}, "dtype": "bfloat16", "temperature": 0.6, "top_p": 0.95}' "$1" "$2" "$STATS"; }
     "$RETENTION" preregister --out "$OUT/plans" --model "$MODEL" --budget 128 --budget 256 \
-      --treatment "$(arm alpha '"lam": 0.5, ')" --baseline "$(arm triattention '')" \
+      --treatment "$(arm_json alpha '"lam": 0.5, ')" --baseline "$(arm_json triattention '')" \
       -k 1 --max-new-tokens "$TOKENS" --note "$note" | tee "$OUT/plan.txt"
   fi
   plan=$(ls "$OUT"/plans/plan-*.json | head -1)
   for cell in "$MODEL@b128" "$MODEL@b256"; do
-    timed "confirm-$cell" bash -c "set -o pipefail; '$RETENTION' confirm --plan '$plan' --out '$OUT/confirm' --cell '$cell' 2>&1 | tee -a '$OUT/confirm.log'"
+    start=$(date +%s)
+    "$RETENTION" confirm --plan "$plan" --out "$OUT/confirm" --cell "$cell" 2>&1 | tee -a "$OUT/confirm.log"
+    printf 'confirm-%s\t%s\n' "$cell" "$(( $(date +%s) - start ))" >> "$TIMINGS"
   done
 fi
 
 if has full; then
-  timed dev-full bash -c "set -o pipefail; '$RETENTION' run ${common[*]} --scorer full | tee -a '$OUT/dev/run.log'"
+  arm dev-full --scorer full
 fi
