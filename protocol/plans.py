@@ -41,7 +41,9 @@ DEFAULT_RUNNER_SPEC = "retention.runs.jobs:confirm_runner"
 _RUNNER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 # Arm keys that say how or how much is run, not what is compared: not part of a cell's identity.
-_EXECUTION_KEYS = {"device", "engine", "dtype", "limit", "data", "fidelity"}
+# The sampler only changes which random draws are made (as the seed does, which is not part of it
+# either): a cell confirmed again with another sampler would be a second look at the confirm set.
+_EXECUTION_KEYS = {"device", "engine", "dtype", "limit", "data", "fidelity", "sampler"}
 # Defaults of the run configuration (retention.runs.arms.validate_arm): a key at its default is the
 # same arm whether it is written or not.
 _ARM_DEFAULTS = {"accounting": "mean", "temperature": 0.6, "top_p": 0.95, "ignore_eos": False,

@@ -54,7 +54,8 @@ def _builtin_class(name: str):
 
 def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | None = None, limit: int | None = None,
             split: str = "dev", samples: int = 1, seed: int = 0, max_new_tokens: int = 8192,
-            temperature: float = 0.6, top_p: float = 0.95, ignore_eos: bool = False, interval: int | None = None,
+            temperature: float = 0.6, top_p: float = 0.95, sampler: str = "inverse-cdf", ignore_eos: bool = False,
+            interval: int | None = None,
             accounting: str = "mean", sink: int | None = None, recent: int | None = None,
             protect_prompt: bool = False, dtype: str = "float32", device: str = "cpu", data_path: str | None = None,
             out: str | Path = "results", batch_size: int | None = None, grade: bool = True,
@@ -76,7 +77,7 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
             "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
             "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
-            "fidelity": False, **sampling}
+            "fidelity": False, "sampler": sampler, **sampling}
     spec = validate_arm(dict(base, scorer=name, scorer_params=scorer_params, **(mechanisms or {})))
     (run_dir,) = execute(model, dtype, device, [spec], split=split, data_path=data_path, limit=limit, samples=samples,
                          seed=seed, sampling=sampling, fidelity=False, grade=grade, out=Path(out),

@@ -101,6 +101,14 @@ def _arm_config(text: str | None, sets, what: str) -> dict:
     return cfg
 
 
+def _with_sampler(cfg: dict, sampler: str) -> dict:
+    """`cfg` with `sampler` unless it sets its own or runs on vLLM (which samples its own way);
+    `normalize_arm` drops it from a greedy arm."""
+    if "sampler" in cfg or cfg.get("engine", "hf") != "hf":
+        return cfg
+    return dict(cfg, sampler=sampler)
+
+
 def _budget(text: str):
     if text.lower() in ("full", "none"):
         return None
@@ -152,6 +160,8 @@ def _budget(text: str):
 @click.option("--code-version", default=None, help="Code version [default: version + git commit].")
 @click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
               help="Configuration schema version.")
+@click.option("--sampler", type=click.Choice(["inverse-cdf", "multinomial"]), default="inverse-cdf", show_default=True,
+              help="The sampler of each sampled arm that does not set `sampler` itself (`retention run --sampler`).")
 @click.option("--note", default=None, help="Free text stored in the plan.")
 @click.option("--dataset", type=click.Choice(["math500", "aime24", "aime25"]), default="math500", show_default=True,
               help="Dataset whose confirm set the plan uses (stored in the plan unless math500).")
@@ -163,7 +173,7 @@ def _budget(text: str):
 @splits_dir_option
 def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, baseline_set, samples,
                     seed, max_new_tokens, test, boot, boot_max, boot_seed, alpha, m,
-                    model_revision, manifest_hash, code_version, config_schema, note, dataset, runner_spec,
+                    model_revision, manifest_hash, code_version, config_schema, sampler, note, dataset, runner_spec,
                     supersedes, reason, splits_dir):
     """Write a content-hashed pre-registration plan for a confirm run.
 
@@ -182,8 +192,9 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     if manifest_hash is not None and manifest_hash != manifest:
         raise click.ClickException(f"--manifest-hash {manifest_hash[:12]} is not the verified split manifest "
                                    f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
-    treatment = normalize_arm(_arm_config(treatment, treatment_set, "--treatment"))
-    baseline = normalize_arm(_arm_config(baseline, baseline_set, "--baseline"))
+    treatment, baseline = (normalize_arm(_with_sampler(_arm_config(text, sets, flag), sampler))
+                           for text, sets, flag in ((treatment, treatment_set, "--treatment"),
+                                                    (baseline, baseline_set, "--baseline")))
     sources = None
     if runner_spec is not None:
         from retention.runs.confirm_inputs import runner_sources

@@ -12,6 +12,7 @@ from retention.runs.arms import ENGINES, validate_arm
 from retention.cli.options import bounded, splits_dir_option
 from retention.errors import RetentionError
 from retention.runs.jobs import budget_from_bytes, execute
+from retention.runtime.sampling import SAMPLERS
 
 def _positive(name):
     def check(ctx, param, value):
@@ -87,6 +88,10 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--max-new-tokens", type=int, default=8192, show_default=True, callback=_positive("--max-new-tokens"))
 @click.option("--temperature", type=float, default=0.6, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=0.95, show_default=True)
+@click.option("--sampler", type=click.Choice(SAMPLERS), default="inverse-cdf", show_default=True,
+              help="How a sampled token is drawn from the nucleus: inverse-cdf (one uniform number per row) or "
+                   "multinomial (torch.multinomial, one exponential per vocabulary entry: what runs before this "
+                   "option drew with; written by leaving the key out, so their run directories resume).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Base seed; each (problem, sample) derives its own.")
 @click.option("--ignore-eos", is_flag=True, help="Generate exactly --max-new-tokens (tests, benchmarks).")
 @click.option("--fidelity", is_flag=True, help="Also decode with the full cache and record per-step KL and top-1 agreement.")
@@ -121,7 +126,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
                    "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, cadence, routing, state, decoding, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
-                seed, ignore_eos, fidelity, trace, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
+                sampler, seed, ignore_eos, fidelity, trace, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
                 shards, gpus_per_shard, cpus_per_shard, retries, engine):
     """Generate on the dev split under retention policies and write resumable run directories.
 
@@ -163,6 +168,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         base["budget_kib"] = budget_kib
     if dataset != "math500":  # absent means math500: earlier configurations keep their hash
         base["dataset"] = dataset
+    if engine == "hf":  # vLLM samples its own way; normalize_arm drops the key where it says nothing
+        base["sampler"] = sampler
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
     # model or touching the output folder.
     arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options[name].items()

@@ -21,7 +21,12 @@ from retention.models.weights_cache import cache_root, smollm2_cache_dir
 
 #: A UTF-8 character split across byte-level tokens decodes to U+FFFD until its last byte arrives.
 _REPLACEMENT = "\ufffd"
-_MAX_SPLIT = 4  # bytes of one UTF-8 character
+#: Most tokens one group may span. A group cannot close while its text ends in U+FFFD (a later byte
+#: may still complete a character), and stray bytes (a lone continuation byte, a lead byte cut short)
+#: can chain several incomplete sequences, so the bound is not 4 (one character's bytes) but a
+#: safety cap: a group that reaches it is closed as decoded, and where its pieces then no longer
+#: spell the text the viewer falls back to its approximate split.
+_MAX_GROUP = 64
 
 
 def local_tokenizer(name: str) -> Any | None:
@@ -52,7 +57,9 @@ def piece_decoder(tokenizer: Any) -> Callable[[list[int]], list[str]]:
     """ids -> the text of each token (special tokens skipped), joining to the decoded text.
 
     Each id is decoded once and cached; a character split over several byte-level tokens is given
-    to its last token (the earlier ones get "")."""
+    to its last token (the earlier ones get ""). Tokens are grouped until the group's text no longer
+    ends in U+FFFD: decoding is additive at such a point (the UTF-8 decoder holds no partial
+    character), so the pieces join to the text decoded in one go."""
     single: dict[int, str] = {}
     grouped: dict[tuple[int, ...], str] = {}
 
@@ -68,7 +75,7 @@ def piece_decoder(tokenizer: Any) -> Callable[[list[int]], list[str]]:
         for tok in ids:
             pending.append(int(tok))
             text = decode(tuple(pending))
-            if text.endswith(_REPLACEMENT) and len(pending) < _MAX_SPLIT:
+            if text.endswith(_REPLACEMENT) and len(pending) < _MAX_GROUP:
                 out.append("")
                 continue
             out.append(text)

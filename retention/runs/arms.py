@@ -26,6 +26,7 @@ from retention.runtime.cadence import REFERENCE_INTERVAL
 from retention.runtime.mechanisms import (FAMILIES, make_mechanism, mechanism_class, mechanism_fields,
                                           mechanism_identity)
 from retention.runtime.policy import cadence_for
+from retention.runtime.sampling import LEGACY_SAMPLER, SAMPLERS
 from retention.scorers import get_scorer_class, make_scorer, reads_refusal, scorer_identity
 from retention.scorers.calibration import default_stats_path
 from retention.scorers.calibration_latent import read_stats_file
@@ -186,7 +187,7 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 # so that `confirm` can compare what was planned with what ran, key by key.
 _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent",
              "protect_prompt", "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos",
-             "engine", "dataset", "cadence", "routing", "state", "decoding"}
+             "engine", "dataset", "cadence", "routing", "state", "decoding", "sampler"}
 
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).
@@ -200,11 +201,16 @@ MAX_BUDGET = 1 << 24
 
 
 def normalize_arm(cfg: dict) -> dict:
-    """An arm configuration with parameter aliases resolved (`scorer_params.lambda` -> `lam`)."""
+    """An arm configuration with parameter aliases resolved (`scorer_params.lambda` -> `lam`) and
+    no `sampler` key where it would say nothing (the legacy sampler, or a greedy arm)."""
     cfg = dict(cfg)
     params = cfg.get("scorer_params")
     if isinstance(params, dict):
         cfg["scorer_params"] = {PARAM_ALIASES.get(k, k): v for k, v in params.items()}
+    # Absent means the legacy sampler (every sampled record before the key), and a greedy arm draws
+    # nothing: both spellings of such an arm are one arm, with the hash it had before the key.
+    if cfg.get("sampler") == LEGACY_SAMPLER or (cfg.get("sampler") is not None and cfg.get("temperature", 0.6) == 0):
+        del cfg["sampler"]
     if isinstance(cfg.get("scorer"), str) and cfg["scorer"] and "scorer_plugin" not in cfg:
         identity = scorer_identity(cfg["scorer"])
         if identity is not None:
@@ -273,6 +279,8 @@ def validate_arm(cfg: dict):
     top_p = cfg.get("top_p", 0.95)
     if top_p is not None and top_p < 1e-6:
         raise RetentionError(f"--top-p must be at least 1e-6 (a nucleus of at least one token), got {top_p!r}")
+    if cfg.get("sampler", LEGACY_SAMPLER) not in SAMPLERS:
+        raise RetentionError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {cfg.get('sampler')!r}")
     _number(cfg, "max_new_tokens", int, "--max-new-tokens", lo=1, hi=MAX_NEW_TOKENS, default=8192)
     _number(cfg, "samples", int, "--samples", lo=1, hi=MAX_SAMPLES, default=1)
     _number(cfg, "seed", int, "--seed", lo=0, hi=2**63 - 1, default=0)

@@ -24,6 +24,7 @@ from retention.plugins import differing_keys
 from retention.runs.arms import validate_arm
 from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed, run_prompts
 from retention.runtime.engine import Request, SamplingConfig, run_engine
+from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.scorers.calibration import default_stats_path
 
 # Keys `execute` adds to a configuration after validation (from the loaded model).
@@ -165,6 +166,7 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
         raise RetentionError(f"{config['model']} loads as revision {loaded.revision}, the run recorded "
                              f"{config.get('model_revision')}: not the same model")
     sampling = SamplingConfig(max_new_tokens=config["max_new_tokens"], temperature=config["temperature"],
+                              sampler=config.get("sampler", LEGACY_SAMPLER),
                               top_p=config["top_p"], ignore_eos=bool(config.get("ignore_eos", False)))
     got: dict[tuple[str, int], list[int]] = {}
     by_slots: dict[int, list[dict]] = {}

@@ -39,6 +39,7 @@ from retention.runs.scale.shard import shard_pairs, shard_size
 from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
 from retention.runtime.engine import Request, SamplingConfig, run_engine
+from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.runtime.trace import CacheTracer
 from retention.versions import library_versions
 
@@ -374,8 +375,9 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     slots = resolve_slots(arms, batch_size, len(problems) * samples, explicit)
     total, missing = count_pending(arms, problems, samples, shard)
     bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="seq", dynamic_ncols=True)
-    cfg = SamplingConfig(**sampling)
     for arm, S in zip(arms, slots):
+        # The sampler is the arm configuration's (absent: the legacy one), whatever the caller passed.
+        cfg = SamplingConfig(**dict(sampling, sampler=arm.spec.config.get("sampler", LEGACY_SAMPLER)))
         # Pairs are drawn lazily as slots free: nothing is allocated per sample.
         pending = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)
                    if not arm.run.records.has(problems[i].unique_id, s))

@@ -31,8 +31,8 @@ KL(p_full || p_retained) and whether the top-1 tokens agree.
 Host synchronisation (counted in `EngineStats.host_syncs` and `start_syncs`): one read per decode
 step, the sampled tokens (the batched EOS and length check), with the fidelity figures in the same
 read; one per started sequence (its first token) and one more with fidelity (its prefill's figures).
-Sampling draws on the device (on a CPU, where a read waits for nothing, the nucleus adds one read per
-sampling call: `retention.runtime.sampling.host_reads`); cache lengths and the cadence are tracked on the host, and step timings come from CUDA
+Sampling draws on the device (on a CPU, where a read waits for nothing, the nucleus adds one or two
+reads per sampling call: `retention.runtime.sampling.draw`); cache lengths and the cadence are tracked on the host, and step timings come from CUDA
 events on a GPU, so nothing else waits for the device in a decode step (a compaction step reads a
 few small tensors).
 """
@@ -51,8 +51,7 @@ from retention.runtime.cache import RetentionCache, static_capacity
 from retention.runtime.fidelity import Fidelity, step_agreement
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
-from retention.runtime.sampling import (SamplingConfig, host_reads, sample_next, sample_rows,  # noqa: F401
-                                        sample_tokens)
+from retention.runtime.sampling import SamplingConfig, draw, sample_next, sample_rows, sample_tokens  # noqa: F401
 from retention.runtime.trace import CacheTrace
 
 
@@ -268,8 +267,9 @@ class Engine:
         """Start requests on `slot` until one survives its first token (or the queue is empty)."""
         while self._next is not None:
             st, lg, tmp, tmp_ref = self._start(slot)
-            tok = sample_rows(self.policy.decoding.adjust(lg, [slot], [st.out]), self.sampling, [self.gens[slot]])[0]
-            self.stats.start_syncs += 1 + host_reads(self.sampling, self.device, lg.shape[-1])
+            toks, reads = draw(self.policy.decoding.adjust(lg, [slot], [st.out]), self.sampling, [self.gens[slot]])
+            tok = toks.tolist()[0]
+            self.stats.start_syncs += 1 + reads
             if self._take(st, tok, lg[0]):
                 self._finish(st)
                 continue
@@ -347,12 +347,12 @@ class Engine:
         compacted = policy.after_forward(cache, nxt[0] if self.S == 1 else nxt, meters[0] if self.S == 1 else meters,
                                          prefill=False, tokens=[st.out[-1] if st else None for st in slots])
         t_end = clock.mark()
-        toks = sample_tokens(policy.decoding.adjust(sub, act, [slots[r].out for r in act]), self.sampling,
-                             [self.gens[r] for r in act])
+        toks, reads = draw(policy.decoding.adjust(sub, act, [slots[r].out for r in act]), self.sampling,
+                           [self.gens[r] for r in act])
         # The one host read of the step: the tokens (batched EOS and length checks), the fidelity figures.
         A = len(act)
         read = (toks.tolist() if fid is None else torch.cat([toks.double(), fid[0], fid[1].double()]).tolist())
-        stats.host_syncs += 1 + host_reads(self.sampling, self.device, logits.shape[-1])
+        stats.host_syncs += 1 + reads
         if whole:
             self._ids.copy_(toks[:, None])
         else:

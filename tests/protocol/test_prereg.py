@@ -403,9 +403,9 @@ def test_cli_preregister_and_confirm(tmp_path, monkeypatch):
     plan, h = prereg.load_plan(plans[0])
     # `scorer_params.lambda` (the --help example) is stored under the parameter's field name, with
     # every other parameter at its resolved value (retention.runs.identity: the canonical arm)
-    assert plan["treatment"] == {"scorer": "rkv", "accounting": "mean",
+    assert plan["treatment"] == {"scorer": "rkv", "accounting": "mean", "sampler": "inverse-cdf",
                                  "scorer_params": {"kernel": 7, "lam": 0.5, "threshold": 0.5, "window": 8}}
-    assert plan["baseline"] == {"scorer": "streaming"}
+    assert plan["baseline"] == {"scorer": "streaming", "sampler": "inverse-cdf"}  # `--sampler`'s default
     from protocol.splits import manifest_sha256
 
     want = new_plan(models=["tiny-random"], treatment=plan["treatment"], baseline=plan["baseline"],

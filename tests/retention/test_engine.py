@@ -196,19 +196,22 @@ def test_fidelity_batched_equals_alone(tiny64, stats_path):
     assert max(g.fidelity.summary()["kl_max"] for g in batched.values()) > 0
 
 
+@pytest.mark.parametrize("sampler", ["inverse-cdf", "multinomial"])
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (0.8, 1.0), (0.8, 0.9)])
-def test_one_host_read_per_decode_step(tiny, stats_path, temperature, top_p, monkeypatch):
+def test_one_host_read_per_decode_step(tiny, stats_path, temperature, top_p, sampler, monkeypatch):
     """Sampled or greedy, with fidelity: every host read of the run is one the engine counts, one
     per decode step and one per started sequence (the module docstring's list; on a CPU the nucleus
-    adds one per sampling call)."""
+    adds one per sampling call, the inverse-CDF draw two where a row's nucleus passes its first
+    candidates)."""
     from retention.runtime import sampling
-    from retention.runtime.sampling import host_reads
 
-    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 64)  # below tiny-random's 256 tokens: the CPU's read
+    # Below tiny-random's 256 tokens: the CPU's reads. 2 candidates: some rows need the second tier.
+    monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", 64)
+    monkeypatch.setattr(sampling, "DRAW_CANDIDATES", 2)
     from retention.runtime.engine import Engine
     from retention.runtime.syncs import count_host_reads
 
-    cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_p=top_p, ignore_eos=True)
+    cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_p=top_p, ignore_eos=True, sampler=sampler)
     policy = make_policy("full", stats_path)
     eng = Engine(tiny.model, [Request(i, p, i) for i, p in enumerate(PROMPTS)], policy, cfg, set(), 1.0,
                  batch_size=3, fidelity=True)
@@ -218,9 +221,13 @@ def test_one_host_read_per_decode_step(tiny, stats_path, temperature, top_p, mon
             eng.step()
     st = eng.stats
     assert st.finished == len(PROMPTS) and st.padding_rows > 0  # the tail ran on padding rows
-    extra = host_reads(cfg, torch.device("cpu"), tiny.model.config.vocab_size)
-    assert extra == (top_p < 1)
-    assert st.host_syncs == (1 + extra) * st.steps and st.start_syncs == (2 + extra) * len(PROMPTS)
+    starts = len(PROMPTS)
+    if top_p == 1 or sampler == "multinomial":
+        extra = int(top_p < 1)
+        assert st.host_syncs == (1 + extra) * st.steps and st.start_syncs == (2 + extra) * starts
+    else:  # one read per draw, two where a row's nucleus reached past the first candidates
+        assert 2 * st.steps <= st.host_syncs <= 3 * st.steps and 3 * starts <= st.start_syncs <= 4 * starts
+        assert st.host_syncs + st.start_syncs > 2 * st.steps + 3 * starts  # the second tier ran
     assert counts["all"] == st.host_syncs + st.start_syncs
 
 

@@ -77,6 +77,7 @@ def test_engine_records_equal_this_projects_engine(tiny_folder, tmp_path, monkey
     assert (ext / "trace.jsonl").read_text() == (hf / "trace.jsonl").read_text()
     cfg_hf, cfg_ext = (json.loads((d / "config.json").read_text())["config"] for d in (hf, ext))
     assert cfg_ext.pop("engine") == "replay" and cfg_ext.pop("engine_version") == "1.0"
+    assert cfg_hf.pop("sampler") == "inverse-cdf"  # this project's engine's sampler; another samples its own way
     assert cfg_ext == cfg_hf
     requests, sampling, eos = ReplayEngine.calls[-1]
     assert sampling == {"max_new_tokens": 10, "temperature": float(temperature), "top_p": 0.95, "ignore_eos": False}

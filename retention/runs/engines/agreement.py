@@ -18,8 +18,10 @@ from retention.errors import RetentionError
 
 # Keys that name the engine and its environment, not the experiment: they may differ between the
 # two runs. `model_id` is where the weights lie (a path inside each environment); the weights
-# themselves are `model_revision` (their sha256 or hub commit), which must match.
-ENGINE_KEYS = {"engine", "engine_version", "device", "model_id"}
+# themselves are `model_revision` (their sha256 or hub commit), which must match. `sampler` is how
+# this project's engine draws a sampled token (retention.runtime.sampling); another engine draws its
+# own way and records none.
+ENGINE_KEYS = {"engine", "engine_version", "device", "model_id", "sampler"}
 
 
 @dataclass(frozen=True)
