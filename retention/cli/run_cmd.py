@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import click
 
-from protocol.io import check_writable_dir
+from protocol.io import check_writable_dir, read_jsonl
 from retention.runs.arms import ENGINES, validate_arm
 from retention.cli.options import bounded, splits_dir_option
 from retention.errors import RetentionError
@@ -195,6 +196,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     check_writable_dir(Path(out), "--out")
     _announce_size(arm_specs, split if dataset == "math500" else dataset, data_path, limit, samples, max_new_tokens,
                    device)
+    before = _output_tokens(Path(out))
+    t0 = time.perf_counter()
     if ray_opts is not None:
         from retention.runs.scale.ray import launch_from_cli
 
@@ -202,8 +205,18 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         shard = None  # merged
     else:
         run_dirs = execute(**job, progress=not quiet, shard=shard)
+    seconds = time.perf_counter() - t0
     for d in run_dirs:
         click.echo(_summary_line(d, shard))
+    made = sum(_output_tokens(Path(out)).values()) - sum(before.values())
+    if made > 0:  # what this command generated, over its wall time (model loading included)
+        click.echo(f"generated {made} output tokens in {seconds:.1f} s: {made / seconds:.1f} tok/s")
+
+
+def _output_tokens(out: Path) -> dict[Path, int]:
+    """Output tokens of every records file under `out` (shard files included), by file."""
+    files = [f for f in out.glob("*/records*.jsonl") if f.is_file()] if out.is_dir() else []
+    return {f: sum(int(r.get("output_tokens") or 0) for r in read_jsonl(f, "record").objects) for f in files}
 
 
 def _mechanisms_for(name: str, mechanisms: dict, baseline: str | None) -> dict:
@@ -224,18 +237,16 @@ def _mechanisms_for(name: str, mechanisms: dict, baseline: str | None) -> dict:
 
 
 def _summary_line(run_dir: Path, shard=None) -> str:
-    from protocol.io import read_jsonl
-
     records = run_dir / (shard.records_name if shard else "records.jsonl")
     recs = read_jsonl(records, "record").objects if records.is_file() else []
     n = len(recs)
     correct = sum(1 for r in recs if r.get("verdict") is True)
     mean_cache = sum(r["cache_mean_tokens"] for r in recs) / n if n else 0.0
-    tps = sum(r["tokens_per_second"] for r in recs) / n if n else 0.0
+    tps = sum(r["tokens_per_second"] for r in recs) / n if n else 0.0  # each sequence's own pace
     over = sum(1 for r in recs if r["budget_exceeded"])
     where = f"{run_dir} (shard {shard})" if shard else f"{run_dir}"
     return (f"{where}: {n} records, accuracy {correct}/{n}, mean cache {mean_cache:.1f} tokens, "
-            f"{tps:.1f} tok/s, budget exceeded in {over}")
+            f"{tps:.1f} tok/s per sequence, budget exceeded in {over}")
 
 def _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device) -> None:
     """On a CPU without --limit, say how much is about to be generated (a bare `run` is 201 problems

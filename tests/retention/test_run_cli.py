@@ -1,6 +1,7 @@
 """`retention run`: run directories, resume after a crash, and one-line errors on bad input."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -46,6 +47,11 @@ def test_run_writes_config_and_records(tmp_path):
     # paired seeds across arms
     a, b = (_records(d) for d in dirs)
     assert [(r["problem_id"], r["sample"], r["seed"]) for r in a] == [(r["problem_id"], r["sample"], r["seed"]) for r in b]
+    # the command's own throughput: the output tokens it generated (2 arms x 6 x 24), then none on resume
+    assert re.search(r"^generated 288 output tokens in [0-9.]+ s: [0-9.]+ tok/s$", res.output, re.M), res.output
+    assert res.output.count("tok/s per sequence") == 2
+    again = _run([*ARGS, "--out", str(tmp_path)])
+    assert again.exit_code == 0 and "generated" not in again.output, again.output
 
 
 def test_resume_after_crash_equals_uninterrupted(tmp_path, monkeypatch):

@@ -1,0 +1,73 @@
+"""The committed dev runs of issue 29 recomputed from their records alone, against their READMEs.
+
+`results/dev-qwen1.5b/`: each arm's accuracy, mean cache, truncation share and mean output length
+from its records (verdicts re-graded from the records' texts, not read), the α-vs-TriAttention
+paired difference, and the figures the README's table states. `results/engine-pace-qwen0.5b/`: the
+real run's output tokens and the tokens per second its log printed, against the bench's JSON and
+the README's 57%.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from protocol import grading
+from protocol.data import load_problems
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _run(folder: Path, prefix: str) -> Path:
+    (run,) = [d for d in (folder / "runs").iterdir() if d.name.startswith(prefix)]
+    return run
+
+
+# arm: (README label, correct of 64, mean cache, truncated %, mean output tokens)
+DEV_1P5B = {"full-full": ("full", 23, 374.5, 28, 529), "triattention-b128": ("TriAttention 128", 6, 127.4, 100, 768),
+            "alpha-b128": ("α 128 (λ 0.5)", 9, 127.4, 100, 768)}
+
+
+@pytest.mark.parametrize("arm", sorted(DEV_1P5B))
+def test_dev_1p5b_table_is_its_records(arm):
+    folder = RESULTS / "dev-qwen1.5b"
+    label, correct, cache, trunc, out = DEV_1P5B[arm]
+    recs = _records(_run(folder, f"qwen2.5-coder-1.5b-{arm}-"))
+    assert len(recs) == 64 and len({(r["problem_id"], r["sample"]) for r in recs}) == 64
+    problems = {p.unique_id: p.problem for p in load_problems()}
+    regraded = [grading.grade(r["text"], r["gold"], problem=problems[r["problem_id"]]).verdict is True for r in recs]
+    assert regraded == [r["verdict"] is True for r in recs] and sum(regraded) == correct
+    assert round(sum(r["cache_mean_tokens"] for r in recs) / 64, 1) == cache
+    assert round(100 * sum(r["finish_reason"] == "length" for r in recs) / 64) == trunc
+    assert round(sum(r["output_tokens"] for r in recs) / 64) == out
+    row = f"| {label} | {100 * correct / 64:.1f} ({correct}/64) | {cache} |"
+    assert row in (folder / "README.md").read_text()
+
+
+def test_dev_1p5b_paired_difference():
+    folder = RESULTS / "dev-qwen1.5b"
+    t, b = ({(r["problem_id"], r["sample"]): r["verdict"] is True for r in _records(_run(folder, f"qwen2.5-coder-1.5b-{a}-"))}
+            for a in ("alpha-b128", "triattention-b128"))
+    assert set(t) == set(b)
+    delta = 100 * (sum(t.values()) - sum(b.values())) / len(t)
+    assert f"+{delta:.2f} pp" in (folder / "README.md").read_text()
+
+
+def test_engine_pace_run_against_bench():
+    folder = RESULTS / "engine-pace-qwen0.5b"
+    recs = _records(_run(folder, "qwen2.5-coder-0.5b-triattention-b128-"))
+    tokens = sum(r["output_tokens"] for r in recs)
+    assert len(recs) == 201 and {r["slots"] for r in recs} == {64}
+    log = (folder / "dev-triattention-128.log").read_text()
+    m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
+    assert m and int(m[1]) == tokens and abs(tokens / float(m[2]) - float(m[3])) < 0.1
+    bench = {r["variant"]: r["tokens_per_second"] for r in json.loads((folder / "bench-b64.json").read_text())["speed"]}
+    share = float(m[3]) / bench["triattention"]
+    assert f"{share:.0%} of the bench" in (folder / "README.md").read_text()
