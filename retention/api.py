@@ -26,6 +26,7 @@ from retention.errors import RetentionError
 from retention.plugins import register_class
 from retention.runs.arms import validate_arm
 from retention.runs.jobs import execute
+from retention.runtime.sampling import DEFAULT_SAMPLER
 from retention.runtime.trace import CacheTrace
 from retention.scorers import Scorer, get_scorer_class, is_builtin
 
@@ -54,7 +55,7 @@ def _builtin_class(name: str):
 
 def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | None = None, limit: int | None = None,
             split: str = "dev", samples: int = 1, seed: int = 0, max_new_tokens: int = 8192,
-            temperature: float = 0.6, top_p: float = 0.95, sampler: str = "inverse-cdf", ignore_eos: bool = False,
+            temperature: float = 0.6, top_p: float = 0.95, sampler: str = DEFAULT_SAMPLER, ignore_eos: bool = False,
             interval: int | None = None,
             accounting: str = "mean", sink: int | None = None, recent: int | None = None,
             protect_prompt: bool = False, dtype: str = "float32", device: str = "cpu", data_path: str | None = None,

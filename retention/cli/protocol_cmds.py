@@ -20,6 +20,7 @@ import click
 from retention.cli.options import splits_dir_option
 from retention.cli.view_cmd import echo_site, pieces_option_value, tokenizer_option
 from retention.errors import RetentionError
+from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def _budget(text: str):
 @click.option("--code-version", default=None, help="Code version [default: version + git commit].")
 @click.option("--config-schema", type=click.IntRange(min=1, max=1000), default=None,
               help="Configuration schema version.")
-@click.option("--sampler", type=click.Choice(["inverse-cdf", "multinomial"]), default="inverse-cdf", show_default=True,
+@click.option("--sampler", type=click.Choice(SAMPLERS), default=DEFAULT_SAMPLER, show_default=True,
               help="The sampler of each sampled arm that does not set `sampler` itself (`retention run --sampler`).")
 @click.option("--note", default=None, help="Free text stored in the plan.")
 @click.option("--dataset", type=click.Choice(["math500", "aime24", "aime25"]), default="math500", show_default=True,

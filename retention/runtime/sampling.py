@@ -29,6 +29,7 @@ import torch
 # The samplers of sampled runs; a run configuration without a `sampler` key means LEGACY_SAMPLER.
 SAMPLERS = ("inverse-cdf", "multinomial")
 LEGACY_SAMPLER = "multinomial"
+DEFAULT_SAMPLER = "inverse-cdf"  # of new runs
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False
-    sampler: str = "inverse-cdf"  # or "multinomial" (see the module doc)
+    sampler: str = DEFAULT_SAMPLER  # or LEGACY_SAMPLER (see the module doc)
 
     def __post_init__(self):
         if self.sampler not in SAMPLERS:
@@ -53,6 +54,19 @@ NUCLEUS_CANDIDATES = 4096
 DRAW_CANDIDATES = 256
 
 
+def _least_kept(desc: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix rule over `[r, k]` probabilities in descending order: `[r, k]` bool, the tokens
+    kept (those the more probable ones before them leave under `top_p` of the mass: a prefix, the
+    first always in), and `[r, 1]` the least probable kept value."""
+    kept = (desc.cumsum(-1) - desc) < top_p
+    return kept, desc.gather(-1, kept.sum(-1, keepdim=True) - 1)
+
+
+def _least_kept_whole(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_least_kept`'s `[r, 1]` value over whole `[r, V]` rows (sorted whole: the slow path on a CPU)."""
+    return _least_kept(probs.sort(-1, descending=True).values, top_p)[1]
+
+
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """`[R, V]` probabilities with every token outside each row's nucleus set to 0: a token is kept
     when the tokens more probable than it hold less than `top_p` of the mass (the smallest prefix
@@ -63,15 +77,12 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     V = probs.shape[-1]
     k = min(V, NUCLEUS_CANDIDATES) if probs.device.type == "cpu" else V
     top = probs.topk(k, -1).values  # [R, k] descending (the values, whatever the order of ties)
-    kept = (top.cumsum(-1) - top) < top_p  # a prefix of each row
-    last = top.gather(-1, kept.sum(-1, keepdim=True) - 1)  # [R, 1] the least probable kept value
+    kept, last = _least_kept(top, top_p)  # [R, k] a prefix of each row, [R, 1]
     if k < V:
         short = kept[:, -1]  # the nucleus may reach past the candidates: sort those rows whole
         if bool(short.any()):
             rows = short.nonzero()[:, 0]
-            whole = probs[rows].sort(-1, descending=True).values
-            ok = (whole.cumsum(-1) - whole) < top_p
-            last[rows] = whole.gather(-1, ok.sum(-1, keepdim=True) - 1)
+            last[rows] = _least_kept_whole(probs[rows], top_p)
     return probs.masked_fill(probs < last, 0.0)
 
 
@@ -93,8 +104,7 @@ def inverse_cdf(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> tuple[tor
     for k in tiers:
         p, w = (probs, u) if rows is None else (probs[rows], u[rows])
         vals, idx = p.topk(k, -1)  # [r, k] descending
-        kept = (vals.cumsum(-1) - vals) < top_p
-        last = vals.gather(-1, kept.sum(-1, keepdim=True) - 1)  # [r, 1] the least probable kept value
+        last = _least_kept(vals, top_p)[1]  # [r, 1]
         ids = idx.masked_fill(vals < last, V).sort(-1).values  # [r, k] kept token ids ascending, then V
         inside = ids < V
         c = p.gather(-1, ids.clamp_max(V - 1)).masked_fill(~inside, 0.0).double().cumsum(-1)  # [r, k]
@@ -111,10 +121,7 @@ def inverse_cdf(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> tuple[tor
             return tok, reads
         rows = short.nonzero()[:, 0] if rows is None else rows[short]
     p, w = (probs, u) if rows is None else (probs[rows], u[rows])
-    whole = p.sort(-1, descending=True).values
-    ok = (whole.cumsum(-1) - whole) < top_p
-    floor = whole.gather(-1, ok.sum(-1, keepdim=True) - 1)
-    got = _draw_whole(p, p >= floor, w)
+    got = _draw_whole(p, p >= _least_kept_whole(p, top_p), w)
     if rows is None:
         return got, reads
     tok[rows] = got
