@@ -13,7 +13,7 @@ from retention.runs.arms import ENGINES, validate_arm
 from retention.cli.options import bounded, splits_dir_option
 from retention.errors import RetentionError
 from retention.runs.jobs import budget_from_bytes, execute
-from retention.runtime.sampling import SAMPLERS
+from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
 
 def _positive(name):
     def check(ctx, param, value):
@@ -89,7 +89,7 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--max-new-tokens", type=int, default=8192, show_default=True, callback=_positive("--max-new-tokens"))
 @click.option("--temperature", type=float, default=0.6, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=0.95, show_default=True)
-@click.option("--sampler", type=click.Choice(SAMPLERS), default="inverse-cdf", show_default=True,
+@click.option("--sampler", type=click.Choice(SAMPLERS), default=DEFAULT_SAMPLER, show_default=True,
               help="How a sampled token is drawn from the nucleus: inverse-cdf (one uniform number per row) or "
                    "multinomial (torch.multinomial, one exponential per vocabulary entry: what runs before this "
                    "option drew with; written by leaving the key out, so their run directories resume).")
@@ -196,7 +196,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     check_writable_dir(Path(out), "--out")
     _announce_size(arm_specs, split if dataset == "math500" else dataset, data_path, limit, samples, max_new_tokens,
                    device)
-    before = _output_tokens(Path(out))
+    before = {f: _output_tokens(_read_records(f)) for f in Path(out).glob("*/records*.jsonl") if f.is_file()}
     t0 = time.perf_counter()
     if ray_opts is not None:
         from retention.runs.scale.ray import launch_from_cli
@@ -206,17 +206,23 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     else:
         run_dirs = execute(**job, progress=not quiet, shard=shard)
     seconds = time.perf_counter() - t0
+    made = 0
     for d in run_dirs:
-        click.echo(_summary_line(d, shard))
-    made = sum(_output_tokens(Path(out)).values()) - sum(before.values())
+        # the file this command's records of `d` end in (a Ray launch has merged its shards into records.jsonl)
+        records = d / (shard.records_name if shard else "records.jsonl")
+        recs = _read_records(records)
+        click.echo(_summary_line(d, recs, shard))
+        made += _output_tokens(recs) - before.get(records, 0)
     if made > 0:  # what this command generated, over its wall time (model loading included)
         click.echo(f"generated {made} output tokens in {seconds:.1f} s: {made / seconds:.1f} tok/s")
 
 
-def _output_tokens(out: Path) -> dict[Path, int]:
-    """Output tokens of every records file under `out` (shard files included), by file."""
-    files = [f for f in out.glob("*/records*.jsonl") if f.is_file()] if out.is_dir() else []
-    return {f: sum(int(r.get("output_tokens") or 0) for r in read_jsonl(f, "record").objects) for f in files}
+def _read_records(path: Path) -> list[dict]:
+    return read_jsonl(path, "record").objects if path.is_file() else []
+
+
+def _output_tokens(recs: list[dict]) -> int:
+    return sum(int(r.get("output_tokens") or 0) for r in recs)
 
 
 def _mechanisms_for(name: str, mechanisms: dict, baseline: str | None) -> dict:
@@ -236,9 +242,8 @@ def _mechanisms_for(name: str, mechanisms: dict, baseline: str | None) -> dict:
     return mechanisms
 
 
-def _summary_line(run_dir: Path, shard=None) -> str:
-    records = run_dir / (shard.records_name if shard else "records.jsonl")
-    recs = read_jsonl(records, "record").objects if records.is_file() else []
+def _summary_line(run_dir: Path, recs: list[dict], shard=None) -> str:
+    """One line on the records `recs` of `run_dir` (of `shard`, when given)."""
     n = len(recs)
     correct = sum(1 for r in recs if r.get("verdict") is True)
     mean_cache = sum(r["cache_mean_tokens"] for r in recs) / n if n else 0.0
