@@ -71,3 +71,17 @@ def test_engine_pace_run_against_bench():
     bench = {r["variant"]: r["tokens_per_second"] for r in json.loads((folder / "bench-b64.json").read_text())["speed"]}
     share = float(m[3]) / bench["triattention"]
     assert f"{share:.0%} of the bench" in (folder / "README.md").read_text()
+
+
+@pytest.mark.parametrize("sampler,run", [("multinomial", "51f84cd157"), ("inverse-cdf", "6564658b5e")])
+def test_engine_pace_sampler_runs_are_their_logs(sampler, run):
+    folder = RESULTS / "engine-pace-qwen0.5b"
+    run_dir = folder / "runs" / f"qwen2.5-coder-0.5b-alpha-b128-{run}"
+    recs = _records(run_dir)
+    config = json.loads((run_dir / "config.json").read_text())["config"]
+    assert config.get("sampler", "multinomial") == sampler and config["temperature"] == 0.6
+    assert len(recs) == 64 and {r["slots"] for r in recs} == {64}
+    log = (folder / f"profile-64-{sampler}.log").read_text()
+    m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
+    assert m and int(m[1]) == sum(r["output_tokens"] for r in recs)
+    assert f"| {sampler} " in (folder / "README.md").read_text() and f"| {int(m[1]):,} | {m[3]} |" in (folder / "README.md").read_text()
