@@ -13,7 +13,7 @@
 # With DEADLINE (a Unix time; `make run` sets it 10 minutes after make started), the job is sized to
 # this host after calibrating: `retention size` measures a decode step and the runs take the largest
 # problem count and token limit, at most PROBLEMS and TOKENS, predicted to finish before it (the
-# terminal and the report say so).
+# terminal and the report say so); when even the smallest job does not fit, it drops the fidelity proxy.
 # SmolLM2-135M cannot solve MATH problems (accuracy ~0 for every arm; the fidelity columns are what it
 # measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see the README (GPU section).
 set -euo pipefail
@@ -37,8 +37,9 @@ note="$OUT/runs/sizing.json"
 if [ -n "${DEADLINE:-}" ]; then
   sized=$("$RETENTION" size --model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --seconds "$(( DEADLINE - $(date +%s) ))" \
     --max-new-tokens "$TOKENS" --batch-size "$BATCH" --retention-arms 2 --full-arms 1 --commands 2 --out "$note")
-  read -r PROBLEMS TOKENS <<< "$sized"
+  read -r PROBLEMS TOKENS FIDELITY <<< "$sized"
 else
+  FIDELITY=fidelity
   rm -f "$note"  # an earlier sized job's note would misstate this one
 fi
 common=(--model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --max-new-tokens "$TOKENS" --temperature 0 \
@@ -46,7 +47,7 @@ common=(--model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --max-new-tokens "
 # The two retention arms, paired (same problems, same seeds), each also decoded with the full cache
 # along its own tokens for the fidelity proxy.
 "$RETENTION" run "${common[@]}" --scorer alpha --baseline triattention --param alpha.lam=0.5 --budget "$BUDGET" \
-  --stats "$stats" --fidelity
+  --stats "$stats" $([ "$FIDELITY" = fidelity ] && echo --fidelity)
 # The reference row: no eviction (its fidelity is exact by construction, so it is not recomputed).
 "$RETENTION" run "${common[@]}" --scorer full
 "$RETENTION" report "$OUT/runs" --baseline triattention --out "$OUT/report"

@@ -8,12 +8,14 @@ stderr: decode steps, output tokens, seconds of decode forwards, prefills, compa
 fidelity pass (the engine's own `EngineStats`), padding row-steps (decoded for an empty slot: what
 the run's tail costs), the seconds spent drawing tokens (`retention.runtime.sampling.draw`, timed by
 wrapping it) and the engine run's wall time; at exit the command's wall time. The records written
-are the same as without the wrapper (it only reads clocks).
+are the same as without the wrapper (it only reads clocks). With `PROFILE_MMAP_BLOCKS=1` the engine
+leaves glibc's thresholds alone (`retention.runtime.host_memory`): what keeping large blocks buys.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import time
 
@@ -45,6 +47,8 @@ def _profiled_run_engine(*args, **kwargs):
 
 if __name__ == "__main__":
     engine.draw, runner.run_engine = _timed_draw, _profiled_run_engine
+    if os.environ.get("PROFILE_MMAP_BLOCKS") == "1":
+        engine.keep_large_blocks = lambda: False
     t0 = time.perf_counter()
     atexit.register(lambda: print(f"PROF command wall {time.perf_counter() - t0:.1f}s", file=sys.stderr))
     main(sys.argv[1:])

@@ -25,14 +25,15 @@ from retention.cli.options import bounded, splits_dir_option
 @click.option("--full-arms", type=click.IntRange(min=0, max=64), default=1, show_default=True,
               help="Arms decoding the full cache.")
 @click.option("--fidelity/--no-fidelity", default=True, show_default=True,
-              help="The retention arms decode a full cache alongside (the fidelity proxy).")
+              help="The retention arms decode a full cache alongside (the fidelity proxy); dropped when the "
+                   "smallest job with it does not fit.")
 @click.option("--commands", type=click.IntRange(min=1, max=64), default=2, show_default=True,
               help="Run commands of the job (each loads the model once).")
 @click.option("--min-problems", type=click.IntRange(min=1, max=201), default=2, show_default=True,
               help="Fewest problems the job may be cut to (a paired report needs two).")
 @click.option("--min-tokens", type=click.IntRange(min=1, max=1 << 20), default=128, show_default=True,
               help="Shortest token limit the job may be cut to.")
-@click.option("--margin", type=float, default=0.7, show_default=True, callback=bounded("--margin", 0.05, 1.0),
+@click.option("--margin", type=float, default=0.6, show_default=True, callback=bounded("--margin", 0.05, 1.0),
               help="Share of the seconds left that the prediction may fill.")
 @click.option("--out", "note", type=click.Path(dir_okay=False), default=None,
               help="Write the decision as JSON to this file (a runs folder's sizing.json: `retention report` "
@@ -41,8 +42,9 @@ from retention.cli.options import bounded, splits_dir_option
 def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms, full_arms, fidelity, commands,
                  min_problems, min_tokens, margin, note, splits_dir):
     """Measure this host's decode step on MODEL and print the problem count and token limit, at most
-    --limit and --max-new-tokens, whose pessimistic predicted time fits --seconds (stdout: `P T`;
-    stderr: why; `retention.runs.sizing`)."""
+    --limit and --max-new-tokens, whose pessimistic predicted time fits --seconds (stdout: `P T F`,
+    F `fidelity` or `no-fidelity`: whether the job keeps the fidelity proxy; stderr: why;
+    `retention.runs.sizing`)."""
     from retention.models import load_model
     from retention.runs.sizing import JobShape, size_job, write_note
 
@@ -64,7 +66,7 @@ def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms
     if note:
         write_note(sizing, Path(note), loaded.name)
     click.echo(f"retention size: {sizing.line()}", err=True)
-    click.echo(f"{sizing.problems} {sizing.tokens}")
+    click.echo(f"{sizing.problems} {sizing.tokens} {'fidelity' if sizing.fidelity else 'no-fidelity'}")
 
 
 commands = [size_command]

@@ -10,7 +10,9 @@ Which pair: the one generating the most tokens (`P x T`), longer answers first a
 `T` on a grid of 64 tokens between `min_tokens` and the requested `T` and `P` at least `min_problems`
 (a paired report needs two). On a CPU a decode step costs nearly the same at 1 and at 16 slots
 (the weights are read once per step), so a slow host keeps its problems and shortens the answers
-before it drops problems; more truncated answers is the price, and the note says it.
+before it drops problems; more truncated answers is the price, and the note says it. When even the
+smallest job does not fit with the fidelity proxy, the proxy goes (its full caches are two of the five
+caches the main job decodes per step) and the job is fitted again without it; the note says that too.
 
 The prediction is deliberately pessimistic and simple. A run of `P` problems at `S` slots decodes
 `ceil(P / S')` waves of `T` steps at `S' = min(S, P)` slots (every slot of a wave decodes until its
@@ -25,7 +27,9 @@ per step, the arithmetic grows with the rows). Each wave also prefills its promp
 (the fidelity proxy copies the prefill), priced by the same kind of line through the measured
 prefills of 1 and of `S` prompts, and each run command loads the model once (measured here). The
 time left is shrunk by `margin` for what the model does not cover (compactions, the fidelity
-proxy's divergence, grading, the report and the viewer).
+proxy's divergence, grading, the report and the viewer). Its default, 0.6, comes from `make run` on
+a host emulated 4.6x slower than the project's (a CPU-quota cgroup: `results/slow-host/`), where the
+job's run commands took 1.30x their prediction and, with the report and the viewer, 1.36x.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class Sizing:
     margin: float
     shape: dict
     steps: dict
+    fidelity: bool = True  # the job keeps the fidelity proxy (False: dropped so that it fits)
 
     @property
     def reduced(self) -> bool:
@@ -95,6 +100,8 @@ class Sizing:
         what = (f"sized to {self.problems} of {self.requested} problems at {self.tokens} of {self.requested_tokens} "
                 "new tokens" if self.reduced else
                 f"all {self.requested} problems at {self.tokens} new tokens fit")
+        if self.shape["fidelity"] and not self.fidelity:
+            what += " without the fidelity proxy (the smallest job with it does not fit)"
         return (f"{what}: predicted {self.predicted_seconds:.0f} s of the {self.seconds_left:.0f} s left "
                 f"({fit} within {100 * self.margin:.0f}% of it) from a measured decode step "
                 f"({self.steps['step_ms'][0]:.1f} ms at {self.steps['slots'][0]} slot, "
@@ -161,16 +168,29 @@ def measure_step_line(loaded, problems, shape: JobShape, steps: int = 6) -> tupl
         "prefill_ms": [1e3 * t for _, t in fills], "prompt_tokens": len(prompt), "steps": steps}
 
 
+def fit_or_lighten(requested: int, shape: JobShape, line: StepLine, load_seconds: float, seconds_left: float,
+                   margin: float, min_problems: int = 2, min_tokens: int = 128,
+                   prefill: StepLine = StepLine(0.0, 0.0)) -> tuple[int, int, float, bool]:
+    """`fit_job`'s (P, T, predicted seconds) and whether the job keeps the fidelity proxy: it is
+    dropped only when the smallest job with it does not fit (module doc)."""
+    n, tokens, t = fit_job(requested, shape, line, load_seconds, seconds_left, margin, min_problems, min_tokens,
+                           prefill)
+    if not shape.fidelity or t <= margin * seconds_left:
+        return n, tokens, t, shape.fidelity
+    lean = dataclasses.replace(shape, fidelity=False)
+    return (*fit_job(requested, lean, line, load_seconds, seconds_left, margin, min_problems, min_tokens, prefill),
+            False)
+
+
 def size_job(loaded, problems, shape: JobShape, requested: int, seconds_left: float, load_seconds: float,
-             margin: float = 0.7, min_problems: int = 2, min_tokens: int = 128) -> Sizing:
-    """Measure this host (`measure_step_line`) and fit the job (`fit_job`)."""
+             margin: float = 0.6, min_problems: int = 2, min_tokens: int = 128) -> Sizing:
+    """Measure this host (`measure_step_line`) and fit the job (`fit_or_lighten`)."""
     line, prefill, figures = measure_step_line(loaded, problems, shape)
-    n, tokens, t = fit_job(min(requested, len(problems)), shape, line, load_seconds, seconds_left, margin,
-                           min_problems, min_tokens, prefill)
+    n, tokens, t, fidelity = fit_or_lighten(min(requested, len(problems)), shape, line, load_seconds, seconds_left,
+                                            margin, min_problems, min_tokens, prefill)
     return Sizing(requested=requested, problems=n, requested_tokens=shape.tokens, tokens=tokens,
-                  seconds_left=seconds_left, predicted_seconds=t,
-                  load_seconds=load_seconds, margin=margin, shape=asdict(shape),
-                  steps=figures)
+                  seconds_left=seconds_left, predicted_seconds=t, load_seconds=load_seconds, margin=margin,
+                  shape=asdict(shape), steps=figures, fidelity=fidelity)
 
 
 def write_note(sizing: Sizing, path: Path, model: str) -> None:

@@ -49,6 +49,7 @@ from retention.runtime.adapter import (LAYOUT_MODEL_PROVIDES, TRANSFORMERS_PROVI
                                forward_step, provides)
 from retention.runtime.cache import RetentionCache, static_capacity
 from retention.runtime.fidelity import Fidelity, step_agreement
+from retention.runtime.host_memory import keep_large_blocks
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
 from retention.runtime.sampling import SamplingConfig, draw, sample_next, sample_rows, sample_tokens  # noqa: F401
@@ -189,6 +190,8 @@ class Engine:
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":  # a step's logits and probabilities reuse the last step's memory
+            keep_large_blocks()
         self.adapter = ModelAdapter(model)
         self.clock = _Clock(self.device)
         if max_prompt is None:

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from retention.cli import main
-from retention.runs.sizing import JobShape, StepLine, fit_job, predicted_seconds, step_line
+from retention.runs.sizing import JobShape, Sizing, StepLine, fit_job, fit_or_lighten, predicted_seconds, step_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +58,29 @@ def test_the_job_that_generates_the_most_tokens_within_the_margin_is_chosen():
     assert (p, t) == (8, 192)
 
 
+def test_the_fidelity_proxy_goes_only_when_the_smallest_job_with_it_does_not_fit():
+    """Around the boundary where the smallest job with the proxy (5 caches a step) stops fitting: up
+    to it the proxy stays (answers shorten first); past it the job is fitted again with 3 caches,
+    and may then keep longer answers than the smallest job with the proxy."""
+    shape = JobShape(tokens=300, batch=8)
+    line = StepLine(a=0.01, b=0.002)
+    smallest = by_hand(2, 128, 8, 5, 0.01, 0.002, 3.0, 2)
+    p, t, sec, fid = fit_or_lighten(16, shape, line, 3.0, smallest / 0.8, 0.8)
+    assert (p, t, fid) == (2, 128, True) and sec == pytest.approx(smallest)
+    left = smallest / 0.8 - 1e-6
+    p, t, sec, fid = fit_or_lighten(16, shape, line, 3.0, left, 0.8)
+    lean = {(p, t): by_hand(p, t, 8, 3, 0.01, 0.002, 3.0, 2) for p in range(2, 17) for t in [300, 256, 192, 128]}
+    want = max((pt for pt in lean if lean[pt] <= 0.8 * left), key=lambda pt: (pt[0] * pt[1], pt[1]))
+    assert not fid and (p, t) == want and sec == pytest.approx(lean[want]) and p * t > 2 * 128
+    # a job asked without the proxy is only fitted
+    assert fit_or_lighten(16, JobShape(tokens=300, batch=8, fidelity=False), line, 3.0, 0.0, 0.8)[3] is False
+    sized = Sizing(requested=16, problems=p, requested_tokens=300, tokens=t, seconds_left=left, predicted_seconds=sec,
+                   load_seconds=3.0, margin=0.8, shape={"fidelity": True}, steps={"slots": [1, 8], "step_ms": [12, 26],
+                                                                                  "prefill_ms": [0, 0]},
+                   fidelity=False)
+    assert "without the fidelity proxy (the smallest job with it does not fit)" in sized.line()
+
+
 def test_the_step_line_goes_through_its_two_points_and_never_below_zero():
     line = step_line([(1, 0.05), (16, 0.2)])
     assert line.a + line.b == pytest.approx(0.05) and line.a + 16 * line.b == pytest.approx(0.2)
@@ -73,7 +96,7 @@ def test_size_prints_the_count_and_writes_the_note(tmp_path):
                                     "--seconds", "3600", "--max-new-tokens", "16", "--batch-size", "4",
                                     "--out", str(note)])
     assert res.exit_code == 0, res.output
-    assert res.stdout.strip() == "6 16" and "all 6 problems at 16 new tokens fit" in res.stderr
+    assert res.stdout.strip() == "6 16 fidelity" and "all 6 problems at 16 new tokens fit" in res.stderr
     got = json.loads(note.read_text())
     assert got["problems"] == 6 and got["requested"] == 6 and got["tokens"] == 16 and got["steps"]["slots"] == [1, 4]
     line = step_line([(s, t / 1e3) for s, t in zip(got["steps"]["slots"], got["steps"]["step_ms"])])
@@ -85,8 +108,12 @@ def test_size_prints_the_count_and_writes_the_note(tmp_path):
     res = CliRunner().invoke(main, ["size", "--model", "tiny-random", "--dtype", "float32", "--limit", "6",
                                     "--seconds", "0", "--max-new-tokens", "100000", "--batch-size", "4"])
     assert res.exit_code == 0, res.output
-    assert res.stdout.strip() == "2 128" and "does not fit" in res.stderr
-    assert "sized to 2 of 6 problems at 128 of 100000 new tokens" in res.stderr
+    assert res.stdout.strip() == "2 128 no-fidelity" and "does not fit" in res.stderr
+    assert "sized to 2 of 6 problems at 128 of 100000 new tokens without the fidelity proxy" in res.stderr
+    res = CliRunner().invoke(main, ["size", "--model", "tiny-random", "--dtype", "float32", "--limit", "6",
+                                    "--seconds", "0", "--max-new-tokens", "100000", "--batch-size", "4",
+                                    "--no-fidelity"])
+    assert res.exit_code == 0 and res.stdout.strip() == "2 128 no-fidelity" and "fidelity proxy" not in res.stderr
 
 
 def test_size_refuses_a_job_without_arms():
