@@ -184,8 +184,11 @@ def fit_or_lighten(requested: int, shape: JobShape, line: StepLine, load_seconds
 
 def size_job(loaded, problems, shape: JobShape, requested: int, seconds_left: float, load_seconds: float,
              margin: float = 0.6, min_problems: int = 2, min_tokens: int = 128) -> Sizing:
-    """Measure this host (`measure_step_line`) and fit the job (`fit_or_lighten`)."""
+    """Measure this host (`measure_step_line`) and fit the job (`fit_or_lighten`) into what is left
+    of `seconds_left` after the measurement."""
+    t0 = time.perf_counter()
     line, prefill, figures = measure_step_line(loaded, problems, shape)
+    seconds_left -= time.perf_counter() - t0
     n, tokens, t, fidelity = fit_or_lighten(min(requested, len(problems)), shape, line, load_seconds, seconds_left,
                                             margin, min_problems, min_tokens, prefill)
     return Sizing(requested=requested, problems=n, requested_tokens=shape.tokens, tokens=tokens,
