@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from retention.runs.sizing import JobShape, fit_or_lighten, step_line
+
 FOLDER = Path(__file__).resolve().parent.parent / "results" / "slow-host"
 
 
@@ -17,7 +19,7 @@ def _elapsed(log: str) -> float:
 
 
 @pytest.mark.parametrize("log,seconds", [("make-run-before.log", 601.9), ("make-run.log", 586.3),
-                                         ("make-run-small.log", 515.1)])
+                                         ("make-run-small.log", 515.1), ("make-run-this-host.log", 483.1)])
 def test_each_make_time_is_its_log(log, seconds):
     text = (FOLDER / log).read_text()
     assert round(_elapsed(text), 1) == seconds and "rc=0" in text
@@ -46,3 +48,13 @@ def test_the_slowdown_is_the_bench_pair():
     row = (f"| slower by | {speed['host'][1] / speed['cgroup'][1]:.1f}x | "
            f"{speed['host'][16] / speed['cgroup'][16]:.1f}x |")
     assert row in readme and f"| {speed['cgroup'][1]:.2f} | {speed['cgroup'][16]:.1f} |" in readme
+
+
+def test_the_margins_choice_on_this_host_is_its_note():
+    n = json.loads((FOLDER / "make-run-this-host-sizing.json").read_text())
+    line = step_line([(s, t / 1e3) for s, t in zip(n["steps"]["slots"], n["steps"]["step_ms"])])
+    fill = step_line([(s, t / 1e3) for s, t in zip(n["steps"]["slots"], n["steps"]["prefill_ms"])])
+    fit = {m: fit_or_lighten(16, JobShape(**n["shape"]), line, n["load_seconds"], n["seconds_left"], m, prefill=fill)
+           for m in (0.6, 0.7)}
+    assert fit[0.6][:2] == (n["problems"], n["tokens"]) == (16, 640) and fit[0.7][:2] == (15, 768)
+    assert f"retention size: {n['line']}" in (FOLDER / "make-run-this-host.log").read_text()
