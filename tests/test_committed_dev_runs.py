@@ -25,6 +25,18 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _generated(log: str) -> re.Match:
+    """The `generated N output tokens in S s: X tok/s` line `retention run` printed into `log`."""
+    m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
+    assert m, "no throughput line in the log"
+    return m
+
+
+def _bench(path: Path) -> dict[str, float]:
+    """Tokens per second of each variant of a `retention bench` JSON."""
+    return {r["variant"]: r["tokens_per_second"] for r in json.loads(path.read_text())["speed"]}
+
+
 def _run(folder: Path, prefix: str) -> Path:
     (run,) = [d for d in (folder / "runs").iterdir() if d.name.startswith(prefix)]
     return run
@@ -66,9 +78,9 @@ def test_engine_pace_run_against_bench():
     tokens = sum(r["output_tokens"] for r in recs)
     assert len(recs) == 201 and {r["slots"] for r in recs} == {64}
     log = (folder / "dev-triattention-128.log").read_text()
-    m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
-    assert m and int(m[1]) == tokens and abs(tokens / float(m[2]) - float(m[3])) < 0.1
-    bench = {r["variant"]: r["tokens_per_second"] for r in json.loads((folder / "bench-b64.json").read_text())["speed"]}
+    m = _generated(log)
+    assert int(m[1]) == tokens and abs(tokens / float(m[2]) - float(m[3])) < 0.1
+    bench = _bench(folder / "bench-b64.json")
     share = float(m[3]) / bench["triattention"]
     assert f"{share:.0%} of the bench" in (folder / "README.md").read_text()
 
@@ -82,8 +94,8 @@ def test_engine_pace_sampler_runs_are_their_logs(sampler, run):
     assert config.get("sampler", "multinomial") == sampler and config["temperature"] == 0.6
     assert len(recs) == 64 and {r["slots"] for r in recs} == {64}
     log = (folder / f"profile-64-{sampler}.log").read_text()
-    m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
-    assert m and int(m[1]) == sum(r["output_tokens"] for r in recs)
+    m = _generated(log)
+    assert int(m[1]) == sum(r["output_tokens"] for r in recs)
     assert f"| {sampler} " in (folder / "README.md").read_text() and f"| {int(m[1]):,} | {m[3]} |" in (folder / "README.md").read_text()
 
 
@@ -93,17 +105,15 @@ def test_engine_pace_kept_blocks_run_is_the_committed_records_at_its_stated_pace
     folder = RESULTS / "engine-pace-qwen0.5b"
     recs = _records(_run(folder, "qwen2.5-coder-0.5b-triattention-b128-"))
     log = (folder / "dev-triattention-128-kept-blocks.log").read_text()
-    m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
-    assert m and int(m[1]) == sum(r["output_tokens"] for r in recs)
+    m = _generated(log)
+    assert int(m[1]) == sum(r["output_tokens"] for r in recs)
     assert "201 of 201 records with identical output token ids" in (folder / "dev-kept-blocks-identical.txt").read_text()
-    bench = {r["variant"]: r["tokens_per_second"]
-             for r in json.loads((folder / "bench-b64-kept-blocks.json").read_text())["speed"]}
+    bench = _bench(folder / "bench-b64-kept-blocks.json")
     readme = (folder / "README.md").read_text()
     assert f"{float(m[3]) / bench['triattention']:.0%} of the bench" in readme
     assert f"TriAttention {bench['triattention']:.1f}" in readme and f"full {bench['full']:.1f}" in readme
     for mode, name in (("glibc's thresholds", "mmap"), ("kept", "kept")):
-        p = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s",
-                      (folder / f"profile-64-{name}-blocks.log").read_text())
+        p = _generated((folder / f"profile-64-{name}-blocks.log").read_text())
         assert f"| {mode} (`profile-64-{name}-blocks.log`) | {p[2]} | {p[3]} |" in readme
 
 
