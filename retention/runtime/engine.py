@@ -304,8 +304,10 @@ class Engine:
         size = static_capacity if static else int
         cap = size(default_capacity(self.policy, self.max_prompt, new))
         self.cache = RetentionCache.empty_like(first[1], self.S, cap, static=static)
-        if self.fidelity:
-            self.ref = RetentionCache.empty_like(first[2], self.S, size(self.max_prompt + new), static=static)
+        if self.fidelity:  # never narrower than the retained cache: views of one width reduce alike, so a
+            # budget beyond the run's length reproduces the reference exactly, whatever the kernels' blocking
+            ref_cap = max(cap, size(self.max_prompt + new))
+            self.ref = RetentionCache.empty_like(first[2], self.S, ref_cap, static=static)
             self.ref.collect_attention = False
         self._ids = torch.zeros(self.S, 1, dtype=torch.long, device=self.device)
         self._pos = torch.zeros(self.S, 1, dtype=torch.long, device=self.device)

@@ -293,3 +293,22 @@ def test_eos_finishes_a_row_and_refills_it():
     done = _batched(model, "h2o", Cadence(16, 4, sink=2), sampling, 2, fidelity=False, eos=eos)
     assert len(done) == 5 and done["p1"].finish_reason == "eos" and done["p1"].token_ids[-1] in eos
     assert len(done["p1"].token_ids) <= 4
+
+
+def test_a_budget_beyond_the_run_gives_the_reference_the_retained_views():
+    """Batched, with fidelity, at a budget beyond the run: the reference cache's views are as wide as
+    the retained cache's at every step, so that nothing evicted means the very same reductions and a
+    KL of exactly 0 whatever the host's kernels do with the width (float32, static rows)."""
+    model = build_arch("tiny-mla", dtype=torch.float32)
+    policy = _policy("streaming", Cadence(budget=4096, interval=4, sink=1))
+    done = []
+    eng = Engine(model, _requests(3), policy, GREEDY, set(), model.cache_layout().kib_per_token, batch_size=2,
+                 fidelity=True, on_finish=lambda r, g: done.append(g))
+    widths = []
+    with torch.inference_mode(), policy.attach(model):
+        eng.fill()
+        while eng.rows:
+            eng.step()
+            widths.append((eng.cache.layers[0].positions.shape[-1], eng.ref.layers[0].positions.shape[-1]))
+    assert widths and all(a == b for a, b in widths), widths
+    assert len(done) == 3 and all(g.compaction_seconds == [] and max(g.fidelity.kl) == 0.0 for g in done)
