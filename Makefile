@@ -85,15 +85,23 @@ test-vllm: install $(VLLM_VENV)/.installed
 		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/test_vllm_engine.py tests/retention/test_engine_bench.py
 
 # This project's engine against vLLM (`retention bench --engine hf,vllm`): full-cache decode of both on the
-# same prompts, dtype and thread count, batch 1, 16 and 64, context 256, 256 new tokens, bf16 and float32;
-# the table on the terminal, the figures in BENCH_OUT. BENCH_MODEL=qwen2.5-coder-0.5b after
-# `make install-real-models`; BENCH_ARGS for more options (e.g. --threads 2).
+# same prompts, dtype and thread count, batch 1, 16 and 64, context 256, 256 new tokens, bf16 and float32,
+# and beside this engine's full arm, in the same lockstep run, the arms of BENCH_ARMS at a 128-token budget
+# (each as a ratio to the full arm: the issue's targets; alpha reads the model's query statistics, computed
+# once into BENCH_STATS); the table on the terminal, the figures in BENCH_OUT. BENCH_MODEL=qwen2.5-coder-0.5b
+# after `make install-real-models`; BENCH_ARGS for more options (e.g. --threads 2); BENCH_ARMS= for vLLM and
+# the full arm alone. With the default arms, about 15 minutes per dtype on a 2-core machine (results/engine-vs-vllm).
 BENCH_MODEL ?= smollm2-135m
 BENCH_OUT ?= results/bench-vllm/$(BENCH_MODEL).json
+BENCH_ARMS ?= alpha,dynamic-cache,ideal-crop
+BENCH_STATS ?= results/bench-vllm/stats-$(BENCH_MODEL).safetensors
 BENCH_ARGS ?=
-bench-vllm: install $(VLLM_VENV)/.installed
+$(BENCH_STATS): | install
+	$(BIN)/python -m retention.cli calibrate --model $(BENCH_MODEL) --out $@
+bench-vllm: install $(VLLM_VENV)/.installed $(if $(BENCH_ARMS),$(BENCH_STATS))
 	RETENTION_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m retention.cli bench --engine hf,vllm \
-		--model $(BENCH_MODEL) --dtype bfloat16,float32 --out $(BENCH_OUT) $(BENCH_ARGS) > /dev/null
+		--model $(BENCH_MODEL) --dtype bfloat16,float32 --out $(BENCH_OUT) \
+		$(if $(BENCH_ARMS),--scorer $(BENCH_ARMS) --budget 128 --stats $(BENCH_STATS)) $(BENCH_ARGS) > /dev/null
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results/demo results/demo-small results/demo-real

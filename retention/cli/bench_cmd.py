@@ -57,6 +57,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
               help="hf,vllm: full-cache decode of this project's engine and of vLLM side by side (same prompts, "
                    "dtype, threads; vLLM in its own environment, $RETENTION_VLLM_PYTHON or .venv-vllm, as `make "
                    "bench-vllm` builds it) [defaults there: --batch-sizes 1,16,64 --context 256 --max-new-tokens 256]; "
+                   "with --scorer, this engine's other arms (at --budget) beside its full one, as ratios to it; "
                    "vllm alone: vLLM only.")
 @click.option("--vllm-eager", is_flag=True, default=False,
               help="With --engine ...vllm: run vLLM without torch.compile (as `retention run --engine vllm` does).")
@@ -80,7 +81,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
         if layouts is not None:
             raise RetentionError("--engine with vllm measures a model's full-cache decode, not --layouts")
         _engine_bench(model, engine_names, given, dtypes, contexts, batch_sizes, new_tokens, device, threads,
-                      vllm_eager, out, splits_dir)
+                      vllm_eager, out, splits_dir, scorers, budget, interval, stats_path, lam)
         return
     if len(dtypes) != 1:
         raise RetentionError(f"--dtype takes one dtype here, got {dtype!r} (a comma list only with --engine ...vllm)")
@@ -96,44 +97,23 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
         raise RetentionError(f"{model} is a reference layout model: time its family with `retention bench --layouts`, "
                              f"generate with `retention run --model {model}`")
     from protocol.splits import load_split
-    from retention.runs.bench import REFERENCE_VARIANTS, run_bench
+    from retention.runs.bench import run_bench
     from retention.runtime.cadence import ACCOUNTING_MODES
     from retention.runs.jobs import budget_from_bytes
     from retention.models import load_model
-    from retention.scorers import get_scorer_class
 
-    names = [s.strip() for s in scorers.split(",") if s.strip()]
-    if not names:
-        raise RetentionError("--scorer needs at least one scorer name")
-    for n in names:
-        if n not in REFERENCE_VARIANTS:
-            get_scorer_class(n)  # fail fast on an unknown name
+    names = _variant_names(scorers)
     sizes = _int_list(batch_sizes or "1", "--batch-sizes")
     ctxs = _int_list(contexts, "--context") if contexts else [None]
-    if not names or not sizes:
+    if not sizes:
         raise RetentionError("--scorers and --batch-sizes need at least one entry")
     modes = [a.strip() for a in accounting.split(",") if a.strip()]
     bad = [m for m in modes if m not in ACCOUNTING_MODES] or ([] if modes else ["(none)"])
     if bad:
         raise RetentionError(f"--accounting: {', '.join(bad)} is not one of {', '.join(ACCOUNTING_MODES)}")
-    if lam is not None and lam != lam:  # click's FloatRange lets nan through
-        raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
-    from retention.runs.scorer_options import resolve
-    from retention.runtime.policy import cadence_for
-    from retention.scorers import make_scorer
-
-    scorer_names = [n for n in names if n not in REFERENCE_VARIANTS]
     if budget_kib is not None:  # the same conversion (and refusals) as `retention run --budget-bytes`
         budget = budget_from_bytes(model, dtype, budget if "budget" in given else None, budget_kib)
-    if scorer_names:  # an option no listed scorer takes is an error, as in `run`
-        resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
-    if stats_path is not None:  # a file that is not statistics fails here, in one line, as in `run`
-        from retention.runs.arms import check_stats_file
-
-        check_stats_file(Path(stats_path))
-    for n in scorer_names:  # every cadence is checked before the model loads
-        for mode in modes:
-            cadence_for(make_scorer(n), budget, interval, mode)
+    _check_variants(names, budget, interval, modes, stats_path, lam)
     _check_out(out)
     torch = _set_threads(threads)
     loaded = load_model(model, dtype=dtype, device=device)
@@ -171,16 +151,64 @@ def _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, t
     _emit(figures, out)
 
 
+def _variant_names(scorers: str) -> list[str]:
+    """The comma list of `--scorer`: scorers and reference variants, each name known."""
+    from retention.runs.bench import REFERENCE_VARIANTS
+    from retention.scorers import get_scorer_class
+
+    names = [s.strip() for s in scorers.split(",") if s.strip()]
+    if not names:
+        raise RetentionError("--scorer needs at least one scorer name")
+    for n in names:
+        if n not in REFERENCE_VARIANTS:
+            get_scorer_class(n)  # fail fast on an unknown name
+    return names
+
+
+def _check_variants(names, budget, interval, modes, stats_path, lam) -> None:
+    """What `run` refuses, refused before the model loads: an option no listed scorer takes, a file
+    that is not statistics, a cadence a scorer cannot run (in every accounting mode)."""
+    from retention.runs.bench import REFERENCE_VARIANTS
+    from retention.runs.scorer_options import resolve
+    from retention.runtime.policy import cadence_for
+    from retention.scorers import make_scorer
+
+    if lam is not None and lam != lam:  # click's FloatRange lets nan through
+        raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
+    scorer_names = [n for n in names if n not in REFERENCE_VARIANTS]
+    if scorer_names:
+        resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
+    if stats_path is not None:
+        from retention.runs.arms import check_stats_file
+
+        check_stats_file(Path(stats_path))
+    for n in scorer_names:
+        for mode in modes:
+            cadence_for(make_scorer(n), budget, interval, mode)
+
+
 def _engine_bench(model, engines, given, dtypes, contexts, batch_sizes, new_tokens, device, threads, vllm_eager, out,
-                  splits_dir) -> None:
-    """`--engine hf,vllm` (or vllm): validate, then measure (`retention.runs.engine_bench`)."""
+                  splits_dir, scorers, budget, interval, stats_path, lam) -> None:
+    """`--engine hf,vllm` (or vllm): validate, then measure (`retention.runs.engine_bench`). With
+    `--scorer`, this engine's other variants run beside its full arm (`engine_bench.Arms`)."""
     from protocol.splits import load_split
     from retention.models import resolve_device
-    from retention.runs.engine_bench import run_engine_bench
+    from retention.runs.engine_bench import Arms, run_engine_bench
 
+    arm_options = {"scorers", "budget", "interval", "stats_path", "lam"}
     allowed = {"model", "engines", "vllm_eager", "contexts", "batch_sizes", "new_tokens", "dtype", "device", "threads",
-               "out", "splits_dir"}
-    _refuse_foreign(given, set(given) - allowed, "not with --engine ...vllm (it measures full-cache decode only)")
+               "out", "splits_dir"} | arm_options
+    _refuse_foreign(given, set(given) - allowed, "not with --engine ...vllm")
+    arms = Arms()
+    if "scorers" in given:
+        if "hf" not in engines:
+            raise RetentionError("--scorer with --engine vllm: vLLM runs the full cache only (add hf to measure arms)")
+        names = [n for n in _variant_names(scorers) if n != "full"]  # full is always measured: the ratios' base
+        _check_variants(names, budget, interval, ["mean"], stats_path, lam)
+        params = tuple((k, v) for k, v in (("stats", stats_path), ("lam", lam)) if v is not None)
+        arms = Arms(tuple(dict.fromkeys(names)), budget, interval, params)
+    else:
+        _refuse_foreign(given, arm_options, "only with --scorer (this engine's arms beside its full cache)")
     if "dtype" not in given:
         dtypes = ["bfloat16"]
     ctxs = _int_list(contexts or "256", "--context")
@@ -192,7 +220,7 @@ def _engine_bench(model, engines, given, dtypes, contexts, batch_sizes, new_toke
     _set_threads(threads)
     figures = run_engine_bench(model, engines, dtypes, ctxs, sizes, new_tokens if "new_tokens" in given else 256,
                                device, load_split("dev", splits_dir=splits_dir), enforce_eager=vllm_eager,
-                               echo=lambda msg: click.echo(msg, err=True))
+                               echo=lambda msg: click.echo(msg, err=True), arms=arms)
     _emit(figures, out)
 
 

@@ -41,7 +41,7 @@ IDEAL = "ideal-crop"
 REFERENCE_VARIANTS = (DYNAMIC, IDEAL)
 
 
-def _policy(model: str, scorer: str, budget: int | None, interval: int | None, accounting: str, params: dict):
+def variant_policy(model: str, scorer: str, budget: int | None, interval: int | None, accounting: str, params: dict):
     """The policy of one variant, built as `retention run` builds an arm (`validate_arm` -> ArmSpec);
     `params` are shared by every variant: each scorer takes the ones it has."""
     fields = scorer_fields(scorer)
@@ -71,7 +71,7 @@ class _EngineStepper:
 
     def __init__(self, loaded, prompt, scorer, budget, interval, accounting, params, S, new_tokens):
         self.name, self.accounting, self.model = scorer, accounting, loaded.model
-        self.policy = _policy(loaded.name, scorer, budget, interval, accounting, params)
+        self.policy = variant_policy(loaded.name, scorer, budget, interval, accounting, params)
         self.gens = []
         cfg = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)
         self.engine = Engine(loaded.model, [Request(i, prompt) for i in range(S)], self.policy, cfg, set(),
@@ -220,7 +220,7 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
            "budget": budget, "new_tokens": new_tokens, "prompt_tokens": len(math_prompt), "batch_sizes": batch_sizes,
            "contexts": contexts, "lockstep": True, "versions": library_versions(), "speed": [], "agreement": []}
     # One warm-up generation so that first-call overheads do not land on the first variant.
-    generate(loaded.model, math_prompt, _policy(loaded.name, "full", None, None, "mean", {}), SamplingConfig(max_new_tokens=8), set(),
+    generate(loaded.model, math_prompt, variant_policy(loaded.name, "full", None, None, "mean", {}), SamplingConfig(max_new_tokens=8), set(),
              kib)
     for ctx in contexts:
         prompt = math_prompt if ctx is None else context_prompt(loaded.tokenizer, problems, ctx)
@@ -241,13 +241,13 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
         ref = {}
         for p in problems[:agreement_problems]:
             ids = format_prompt(loaded.tokenizer, p.problem, style)
-            ref[p.unique_id] = (ids, generate(loaded.model, ids, _policy(loaded.name, "full", None, None, "mean", {}), greedy, set(), kib).token_ids)
+            ref[p.unique_id] = (ids, generate(loaded.model, ids, variant_policy(loaded.name, "full", None, None, "mean", {}), greedy, set(), kib).token_ids)
         for scorer in scorers:
             if scorer == "full" or scorer in REFERENCE_VARIANTS:
                 continue
             agree = []
             for pid, (ids, ref_tokens) in ref.items():
-                toks = generate(loaded.model, ids, _policy(loaded.name, scorer, budget, interval, "mean", params), greedy, set(), kib).token_ids
+                toks = generate(loaded.model, ids, variant_policy(loaded.name, scorer, budget, interval, "mean", params), greedy, set(), kib).token_ids
                 agree.append(next((i for i, (a, b) in enumerate(zip(toks, ref_tokens)) if a != b), len(ref_tokens)))
             out["agreement"].append({"scorer": scorer, "tokens_before_divergence": agree,
                                      "mean": sum(agree) / len(agree)})

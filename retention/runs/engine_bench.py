@@ -11,6 +11,14 @@ token (which comes from the prefill) left out on both sides:
   pins differ from this project's), driven through `retention.runs.engines.vllm_bench` in a child
   process: `S * (N - 1)` tokens over the time of `max_tokens=N` minus that of `max_tokens=1`.
 
+With `arms` (`--scorer`), this project's side also decodes those variants (scorers at `budget`, or the
+reference variants `dynamic-cache` and `ideal-crop`) at every point, in a second lockstep measurement
+beside another pass of its full arm (`bench.speed_rows`), and the table gives each one's tokens/s and
+its ratio to that full arm: vLLM has no eviction, so these are ratios within this engine, in the same
+run as the cross-engine one. The cross-engine figure is the full arm's first pass, alone, as vLLM runs
+alone: beside four arms it decoded 24% slower in one run and 3% in another (smollm2 bf16, 64 slots:
+`results/engine-vs-vllm/`).
+
 Threads: the child gets `OMP_NUM_THREADS` = this process's torch thread count and
 `VLLM_CPU_OMP_THREADS_BIND=nobind`, so neither engine pins its threads to cores. The engines run one
 after the other (per dtype: this project's, then vLLM's), never at the same time.
@@ -33,7 +41,7 @@ from transformers import AutoTokenizer
 from retention.errors import RetentionError
 from retention.models import load_model
 from retention.models.loading import model_layout
-from retention.runs.bench import context_prompt, speed_rows
+from retention.runs.bench import REFERENCE_VARIANTS, context_prompt, speed_rows, variant_policy
 from retention.runs.engines.run import resolve_weights
 from retention.runs.engines.vllm_bench import BenchRequest, BenchResult, Point
 from retention.versions import library_versions
@@ -46,6 +54,15 @@ _LOG_TAIL = 20  # lines of vLLM's log shown when its child fails
 
 
 @dataclass(frozen=True)
+class ArmFigure:
+    """Another variant of this project's engine at one point of the table, beside its full arm."""
+
+    name: str  # a scorer (at the run's budget) or a reference variant of `bench`
+    tokens_per_second: float
+    ratio_to_full: float | None  # > 1: faster than this engine's full arm in the same lockstep run
+
+
+@dataclass(frozen=True)
 class Comparison:
     """One row of the side-by-side table: aggregate steady-decode tokens/s of each engine."""
 
@@ -55,6 +72,8 @@ class Comparison:
     hf_tokens_per_second: float | None
     vllm_tokens_per_second: float | None
     ratio_hf_vllm: float | None  # > 1: this project's engine is the faster
+    arms: tuple[ArmFigure, ...] = ()
+    lockstep_full_tokens_per_second: float | None = None  # the full arm beside the arms: their ratios' base
 
 
 def parse_engines(text: str) -> list[str]:
@@ -65,20 +84,36 @@ def parse_engines(text: str) -> list[str]:
     return [n for n in ENGINES if n in names]
 
 
-def side_by_side(hf: dict[tuple, float], vllm: dict[tuple, float], keys: list[tuple]) -> list[Comparison]:
-    """`keys` are (dtype, context, batch size) in table order; an engine not run has no entry."""
+def side_by_side(hf: dict[tuple, float], vllm: dict[tuple, float], keys: list[tuple],
+                 arms: dict[tuple, dict[str, float]] | None = None) -> list[Comparison]:
+    """`keys` are (dtype, context, batch size) in table order; an engine not run has no entry.
+    `arms`: per key, the tokens/s of the arms' lockstep measurement by variant, `full` (their base) first."""
     rows = []
     for key in keys:
         a, b = hf.get(key), vllm.get(key)
-        rows.append(Comparison(*key, a, b, a / b if a is not None and b else None))
+        step = dict((arms or {}).get(key, {}))
+        base = step.pop("full", None)
+        extra = tuple(ArmFigure(n, t, t / base if base else None) for n, t in step.items())
+        rows.append(Comparison(*key, a, b, a / b if a is not None and b else None, extra, base))
     return rows
 
 
 def format_table(rows: list[Comparison]) -> str:
+    """One line per row; with arms, a column for the full arm beside them (`full*`), then two per arm:
+    its tokens/s and its ratio to that full arm."""
     fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
-    lines = [f"{'dtype':<9} {'context':>7} {'batch':>5} {'hf tok/s':>9} {'vllm tok/s':>10} {'hf/vllm':>7}"]
-    lines += [f"{r.dtype:<9} {r.context:>7} {r.batch_size:>5} {fmt(r.hf_tokens_per_second, '9.1f')} "
-              f"{fmt(r.vllm_tokens_per_second, '10.1f')} {fmt(r.ratio_hf_vllm, '7.2f')}" for r in rows]
+    names = list(dict.fromkeys(a.name for r in rows for a in r.arms))
+    wide = {n: max(9, len(n) + 6) for n in names}
+    head = (f" {'full* tok/s':>11}" if names else "") + "".join(
+        f" {n + ' tok/s':>{wide[n]}} {n + '/full*':>{wide[n]}}" for n in names)
+    lines = [f"{'dtype':<9} {'context':>7} {'batch':>5} {'hf tok/s':>9} {'vllm tok/s':>10} {'hf/vllm':>7}{head}"]
+    for r in rows:
+        got = {a.name: a for a in r.arms}
+        tail = (f" {fmt(r.lockstep_full_tokens_per_second, '11.1f')}" if names else "") + "".join(
+            f" {fmt(got[n].tokens_per_second if n in got else None, f'{wide[n]}.1f')}"
+            f" {fmt(got[n].ratio_to_full if n in got else None, f'{wide[n]}.2f')}" for n in names)
+        lines.append(f"{r.dtype:<9} {r.context:>7} {r.batch_size:>5} {fmt(r.hf_tokens_per_second, '9.1f')} "
+                     f"{fmt(r.vllm_tokens_per_second, '10.1f')} {fmt(r.ratio_hf_vllm, '7.2f')}{tail}")
     return "\n".join(lines)
 
 
@@ -133,19 +168,37 @@ def run_vllm_child(python: Path, request: BenchRequest, env: dict[str, str], ech
     raise RetentionError(f"vLLM bench failed (exit {rc}, {python}): {last.strip()}")
 
 
+@dataclass(frozen=True)
+class Arms:
+    """This engine's variants beside its full arm (`--scorer`): names in column order, the budget and
+    interval of the evicting ones, and the scorer parameters (`--stats`, `--lambda`) each takes."""
+
+    names: tuple[str, ...] = ()
+    budget: int | None = None
+    interval: int | None = None
+    params: tuple[tuple[str, object], ...] = ()
+
+
 def hf_figures(model: str, dtype: str, device: str, prompts: dict[int, list[int]], batch_sizes: list[int],
-               new_tokens: int, echo: Callable[[str], None]) -> list[dict]:
-    """`bench.speed_rows` of the `full` policy at every (context, batch size), after one short warm-up."""
+               new_tokens: int, echo: Callable[[str], None], arms: Arms = Arms()) -> list[dict]:
+    """`bench.speed_rows` of the `full` policy alone at every (context, batch size) (`pass: "alone"`),
+    then, with `arms`, of the full policy and the arms in lockstep (`pass: "arms"`), after one short
+    warm-up; one row per pass, variant and point."""
     loaded = load_model(model, dtype=dtype, device=device)
     first = next(iter(prompts.values()))
-    speed_rows(loaded, first, ["full"], None, 8, ["mean"], 1, None, {}, None)  # first-call overheads land on no point
+    variants, params = ["full", *arms.names], dict(arms.params)
+    # first-call overheads (and each scorer's first compaction) land on no point
+    speed_rows(loaded, first, variants, arms.budget, 8, ["mean"], 1, arms.interval, params, None)
+    passes = [("alone", ["full"])] + ([("arms", variants)] if arms.names else [])
     rows = []
     for ctx, prompt in prompts.items():
         for bs in batch_sizes:
-            row = speed_rows(loaded, prompt, ["full"], None, new_tokens, ["mean"], bs, None, {}, ctx)[0]
-            echo(f"hf {dtype} S={bs} ctx={len(prompt)}: {row['tokens_per_second']:.2f} tok/s "
-                 f"(step {row['step_ms_median']:.1f} ms)")
-            rows.append(dict(row, dtype=dtype))
+            for name, names in passes:
+                for row in speed_rows(loaded, prompt, names, arms.budget, new_tokens, ["mean"], bs, arms.interval,
+                                      params, ctx):
+                    echo(f"hf {row['variant']} ({name}) {dtype} S={bs} ctx={len(prompt)}: "
+                         f"{row['tokens_per_second']:.2f} tok/s (step {row['step_ms_median']:.1f} ms)")
+                    rows.append(dict(row, dtype=dtype, **{"pass": name}))
     del loaded
     gc.collect()  # the model's memory is free again before vLLM starts
     return rows
@@ -153,11 +206,15 @@ def hf_figures(model: str, dtype: str, device: str, prompts: dict[int, list[int]
 
 def run_engine_bench(model: str, engines: list[str], dtypes: list[str], contexts: list[int], batch_sizes: list[int],
                      new_tokens: int, device: str, problems, *, enforce_eager: bool = False,
-                     echo: Callable[[str], None] = print) -> dict:
-    """Returns the JSON-ready figures (`comparison` is the table's rows); `echo` receives progress and the table."""
+                     echo: Callable[[str], None] = print, arms: Arms = Arms()) -> dict:
+    """Returns the JSON-ready figures (`comparison` is the table's rows; `hf` every variant's rows);
+    `echo` receives progress and the table."""
     if new_tokens < 2:
         raise RetentionError("--max-new-tokens: the cross-engine bench times decode steps, so at least 2")
     python = vllm_python() if "vllm" in engines else None  # before anything is measured
+    for name in arms.names:  # each arm as `run` validates it (its statistics found, its reads provided)
+        if name not in REFERENCE_VARIANTS:
+            variant_policy(model, name, arms.budget, arms.interval, "mean", dict(arms.params))
     weights, model_id, revision = resolve_weights(model)
     tokenizer = AutoTokenizer.from_pretrained(weights)
     prompts = {c: context_prompt(tokenizer, problems, c) for c in contexts}
@@ -165,13 +222,18 @@ def run_engine_bench(model: str, engines: list[str], dtypes: list[str], contexts
     out = {"model": model, "model_id": model_id, "model_revision": revision, "weights": weights, "engines": engines,
            "dtypes": dtypes, "contexts": contexts, "batch_sizes": batch_sizes, "new_tokens": new_tokens,
            "device": device, "threads": threads, "versions": library_versions(), "hf": [], "vllm": [],
+           "arms": list(arms.names), "budget": arms.budget if arms.names else None,
            "decode": "aggregate tokens/s of steady decode: S * (new_tokens - 1) tokens, the prefill's first token left out"}
-    hf, vl = {}, {}
+    hf, vl, others = {}, {}, {}
     for dtype in dtypes:
         if "hf" in engines:
-            for row in hf_figures(model, dtype, device, prompts, batch_sizes, new_tokens, echo):
+            for row in hf_figures(model, dtype, device, prompts, batch_sizes, new_tokens, echo, arms):
                 out["hf"].append(row)
-                hf[(dtype, row["context"], row["batch_size"])] = row["tokens_per_second"]
+                key = (dtype, row["context"], row["batch_size"])
+                if row["pass"] == "alone":
+                    hf[key] = row["tokens_per_second"]
+                else:
+                    others.setdefault(key, {})[row["variant"]] = row["tokens_per_second"]
         if python is not None:
             points = tuple(Point(c, bs, tuple(prompts[c])) for c in contexts for bs in batch_sizes)
             request = BenchRequest(weights, dtype, new_tokens, points, enforce_eager=enforce_eager)
@@ -189,7 +251,7 @@ def run_engine_bench(model: str, engines: list[str], dtypes: list[str], contexts
                                         tokens_per_second=r.tokens_per_second))
                 vl[(dtype, r.context, r.batch_size)] = r.tokens_per_second
     keys = [(d, c, bs) for d in dtypes for c in contexts for bs in batch_sizes]
-    table = side_by_side(hf, vl, keys)
+    table = side_by_side(hf, vl, keys, others)
     out["comparison"] = [asdict(r) for r in table]
     echo(format_table(table))
     return out

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from retention.cli import main
 from retention.runs import engine_bench
-from retention.runs.engine_bench import Comparison, child_env, format_table, kv_cache_gib, side_by_side
+from retention.runs.engine_bench import ArmFigure, Comparison, child_env, format_table, kv_cache_gib, side_by_side
 from retention.runs.engines.vllm_bench import BenchRequest, Point, VllmRow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,9 +70,20 @@ def test_side_by_side_table_rows_and_ratio():
     assert rows == [Comparison("bfloat16", 256, 1, 30.0, 20.0, 1.5), Comparison("bfloat16", 256, 16, 120.0, 240.0, 0.5),
                     Comparison("float32", 256, 1, None, 10.0, None)]
     lines = format_table(rows).splitlines()
-    assert lines[0].split() == ["dtype", "context", "batch", "hf", "tok/s", "vllm", "tok/s", "hf/vllm"]
+    assert lines[0].split() == ["dtype", "context", "batch", "hf", "tok/s", "vllm", "tok/s", "hf/vllm"]  # no arms
     assert lines[1].split() == ["bfloat16", "256", "1", "30.0", "20.0", "1.50"]
     assert lines[3].split() == ["float32", "256", "1", "-", "10.0", "-"]
+    # the arms' ratios are to the full arm of their own lockstep (110), not to the one vLLM is compared with
+    arms = {keys[1]: {"full": 110.0, "alpha": 165.0, "dynamic-cache": 100.0}}
+    rows = side_by_side({keys[0]: 30.0, keys[1]: 120.0}, {}, keys[:2], arms)
+    assert rows[0].arms == () and rows[0].lockstep_full_tokens_per_second is None
+    assert rows[1].arms == (ArmFigure("alpha", 165.0, 1.5), ArmFigure("dynamic-cache", 100.0, 100 / 110))
+    assert rows[1].lockstep_full_tokens_per_second == 110.0 and rows[1].hf_tokens_per_second == 120.0
+    lines = format_table(rows).splitlines()
+    assert lines[0].split()[8:] == ["full*", "tok/s", "alpha", "tok/s", "alpha/full*", "dynamic-cache", "tok/s",
+                                    "dynamic-cache/full*"]
+    assert lines[1].split()[6:] == ["-"] * 5 and lines[2].split()[3:] == ["120.0", "-", "-", "110.0", "165.0", "1.50",
+                                                                           "100.0", "0.91"]
 
 
 def test_vllm_row_decode_figure_leaves_the_first_token_out():
@@ -137,6 +148,49 @@ def test_hf_vllm_side_by_side_through_the_child_protocol(tiny_folder, tmp_path, 
     assert "vllm fake S=3" in res.stderr and "a line of vLLM's log" not in res.stderr  # its log kept back
 
 
+def test_arms_beside_the_full_cache_in_the_same_run(tiny_folder, fake_vllm):
+    """--scorer adds this engine's other variants, decoded in a second lockstep pass beside its full
+    arm: each gets a tokens/s and its ratio to that pass's full arm at every point, in the JSON and
+    the table; the figure compared with vLLM stays the full arm's pass alone, and vLLM is asked for
+    the same points as without arms."""
+    res = _bench("--engine", "hf,vllm", "--model", tiny_folder, "--batch-sizes", "1,2", "--context", "20",
+                 "--max-new-tokens", "9", "--scorer", "streaming,ideal-crop", "--budget", "8", "--interval", "2")
+    assert res.exit_code == 0, res.output
+    fig = json.loads(res.stdout)
+    assert fig["arms"] == ["streaming", "ideal-crop"] and fig["budget"] == 8
+    (run,) = fake_vllm()
+    assert [p["batch_size"] for p in run["request"]["points"]] == [1, 2]
+    hf = {(h["pass"], h["variant"], h["batch_size"]): h for h in fig["hf"]}
+    assert len(hf) == len(fig["hf"]) == 8 and sorted(hf) == sorted(
+        [("alone", "full", bs) for bs in (1, 2)] + [("arms", v, bs) for v in ("full", "streaming", "ideal-crop")
+                                                    for bs in (1, 2)])
+    assert hf[("arms", "streaming", 2)]["compactions"] > 0 and hf[("arms", "full", 2)]["compactions"] == 0
+    for c in fig["comparison"]:
+        bs = c["batch_size"]
+        assert c["hf_tokens_per_second"] == hf[("alone", "full", bs)]["tokens_per_second"]
+        base = hf[("arms", "full", bs)]["tokens_per_second"]
+        assert c["lockstep_full_tokens_per_second"] == base
+        assert [a["name"] for a in c["arms"]] == ["streaming", "ideal-crop"]
+        for a in c["arms"]:
+            assert a["tokens_per_second"] == hf[("arms", a["name"], bs)]["tokens_per_second"]
+            assert a["ratio_to_full"] == pytest.approx(a["tokens_per_second"] / base)
+    table = res.stderr[res.stderr.index("dtype "):].splitlines()
+    assert table[0].split()[8:] == ["full*", "tok/s", "streaming", "tok/s", "streaming/full*", "ideal-crop", "tok/s",
+                                    "ideal-crop/full*"]
+    row = table[2].split()  # batch 2
+    c = fig["comparison"][1]
+    arm = c["arms"][0]
+    assert row[2] == "2" and row[6] == f"{c['lockstep_full_tokens_per_second']:.1f}"
+    assert row[7] == f"{arm['tokens_per_second']:.1f}" and row[8] == f"{arm['ratio_to_full']:.2f}"
+
+
+def test_an_arm_without_its_statistics_is_refused_before_anything_runs(tiny_folder, tmp_path, fake_vllm, monkeypatch):
+    monkeypatch.setenv("RETENTION_CACHE_DIR", str(tmp_path / "empty-cache"))
+    res = _bench("--engine", "hf,vllm", "--model", tiny_folder, "--scorer", "triattention", "--max-new-tokens", "4")
+    assert res.exit_code != 0 and res.output.count("\n") == 1 and "no calibration statistics" in res.output, res.output
+    assert fake_vllm() == []
+
+
 def test_vllm_alone_measures_no_hf(tiny_folder, fake_vllm):
     res = _bench("--engine", "vllm", "--model", tiny_folder, "--batch-sizes", "2", "--context", "16",
                  "--max-new-tokens", "4")
@@ -183,7 +237,12 @@ def test_missing_vllm_environment_says_how_to_build_it(tiny_folder, tmp_path, mo
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--engine", "hf,vllm", "--scorer", "streaming"], "--scorer: not with --engine ...vllm"),
+    (["--engine", "vllm", "--scorer", "streaming"], "vLLM runs the full cache only"),
+    (["--engine", "hf,vllm", "--budget", "64"], "--budget: only with --scorer"),
+    (["--engine", "hf,vllm", "--problems", "3"], "--problems: not with --engine ...vllm"),
+    (["--engine", "hf,vllm", "--budget-bytes", "9"], "--budget-bytes: not with --engine ...vllm"),
+    (["--engine", "hf,vllm", "--scorer", "streaming", "--lambda", "0.5"], "--lambda is not a parameter of any listed"),
+    (["--engine", "hf,vllm", "--scorer", "full,nope"], "unknown scorer 'nope'"),
     (["--engine", "hf,vllm", "--layouts", "mha"], "not --layouts"),
     (["--engine", "hf,tensorrt"], "--engine takes a comma list of distinct engines among hf, vllm"),
     (["--engine", "vllm,vllm"], "distinct engines"),
