@@ -90,7 +90,7 @@ test-vllm: install $(VLLM_VENV)/.installed
 # (each as a ratio to the full arm: the issue's targets; alpha reads the model's query statistics, computed
 # once into BENCH_STATS); the table on the terminal, the figures in BENCH_OUT. BENCH_MODEL=qwen2.5-coder-0.5b
 # after `make install-real-models`; BENCH_ARGS for more options (e.g. --threads 2); BENCH_ARMS= for vLLM and
-# the full arm alone. With the default arms, about 15 minutes per dtype on a 2-core machine (results/engine-vs-vllm).
+# the full arm alone. About 15 minutes for bf16 alone with four arms on a 2-core machine (results/engine-vs-vllm).
 BENCH_MODEL ?= smollm2-135m
 BENCH_OUT ?= results/bench-vllm/$(BENCH_MODEL).json
 BENCH_ARMS ?= alpha,dynamic-cache,ideal-crop
