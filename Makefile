@@ -86,7 +86,7 @@ test-vllm: install $(VLLM_VENV)/.installed
 
 # This project's engine against vLLM (`retention bench --engine hf,vllm`): full-cache decode of both on the
 # same prompts, dtype and thread count, batch 1, 16 and 64, context 256, 256 new tokens, bf16 and float32,
-# and beside this engine's full arm, in the same lockstep run, the arms of BENCH_ARMS at a 128-token budget
+# and, in a second lockstep pass beside this engine's full arm, the arms of BENCH_ARMS at a 128-token budget
 # (each as a ratio to the full arm: the issue's targets; alpha reads the model's query statistics, computed
 # once into BENCH_STATS); the table on the terminal, the figures in BENCH_OUT. BENCH_MODEL=qwen2.5-coder-0.5b
 # after `make install-real-models`; BENCH_ARGS for more options (e.g. --threads 2); BENCH_ARMS= for vLLM and

@@ -106,7 +106,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     sizes = _int_list(batch_sizes or "1", "--batch-sizes")
     ctxs = _int_list(contexts, "--context") if contexts else [None]
     if not sizes:
-        raise RetentionError("--scorers and --batch-sizes need at least one entry")
+        raise RetentionError("--batch-sizes needs at least one entry")
     modes = [a.strip() for a in accounting.split(",") if a.strip()]
     bad = [m for m in modes if m not in ACCOUNTING_MODES] or ([] if modes else ["(none)"])
     if bad:
