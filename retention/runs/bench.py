@@ -32,7 +32,7 @@ from retention.runs.arms import validate_arm
 from retention.runs.scorer_options import scorer_fields
 from retention.runtime.engine import Engine, Request, SamplingConfig, cache_kwarg
 from retention.runtime.generate import generate
-from retention.runtime.syncs import count_host_reads
+from retention.runtime.syncs import count_host_reads, synced_now
 from retention.scorers import get_scorer_class
 from retention.versions import library_versions
 
@@ -157,12 +157,6 @@ class _DynamicStepper:
                 "allocated_bytes_per_sequence": stored, "stored_bytes_per_sequence": stored}
 
 
-def _now(device) -> float:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def speed_rows(loaded, prompt: list[int], variants: list[str], budget: int, new_tokens: int, accountings: list[str],
                batch_size: int, interval: int | None, params: dict, context: int | None) -> list[dict]:
     """One lockstep measurement of every variant at one batch size and context (module doc)."""
@@ -182,11 +176,11 @@ def speed_rows(loaded, prompt: list[int], variants: list[str], budget: int, new_
             s.prefill()
         for _ in range(new_tokens - 1):  # the first token comes from the prefill
             for i, (s, ts) in enumerate(zip(steppers, times)):
-                t0 = _now(loaded.device)
+                t0 = synced_now(torch.device(loaded.device))
                 running[0] = i
                 s.step()
                 running[0] = None
-                ts.append(_now(loaded.device) - t0)
+                ts.append(synced_now(torch.device(loaded.device)) - t0)
     rows = []
     for i, (s, ts) in enumerate(zip(steppers, times)):
         fig = s.figures(batch_size)

@@ -54,6 +54,7 @@ row-move paths keep one set of buffer invariants, which is the point of having o
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -675,6 +676,14 @@ class RetentionCache(Cache):
         w = max(self.widths, default=0)
         for layer in self.layers:
             layer.set_width(w)
+
+    def take_rows(self, rows: list[int]) -> RetentionCache:
+        """A new cache of `rows` only, in this order (copies of their buffers; this cache unchanged):
+        the engine's tail, which decodes its last sequences on fewer rows."""
+        c = copy.copy(self)
+        c.layers = [copy.copy(layer) for layer in self.layers]
+        c.select_rows(rows)
+        return c
 
     def release_row(self, row: int) -> None:
         """`row` holds no sequence now (a padding row of a static step): nothing stored in it."""

@@ -39,7 +39,8 @@ from retention.errors import RetentionError
 
 CAPTURE_NAME = "retention_capture"
 # Attention calls remembered per layer between two `take`s: enough for the retained forward plus a
-# reference forward in the same step, bounded so a recorder nobody reads cannot grow without limit.
+# reference forward in the same step, each run twice on a step where the engine's tail narrows its
+# rows, bounded so a recorder nobody reads cannot grow without limit.
 MAX_PENDING = 4
 
 # Recorder of every model currently capturing, keyed by the id of the config its attention modules read.

@@ -3,12 +3,22 @@ reference layout models (`retention.models.arch`, DeepSeek checkpoints on the re
 model adapter (`retention.runtime.adapter`) is all that differs (the step forward, the cache, what it provides).
 
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
-rows; row `r` is slot `r`. A queue of requests (one per (problem, sample), drawn lazily) feeds the
+rows; row `r` is slot `r` (after the tail narrows, `RetentionCache.slots[r]`). A queue of requests (one per (problem, sample), drawn lazily) feeds the
 slots: a request's prompt is prefilled alone (batch 1, in a cache of its own, compacted by the policy
 as a single sequence would be), then its stored tokens are copied into its slot's row. A slot whose
 sequence ends (EOS or length) hands its `Generation` to `on_finish` at once and takes the next
 request; when the queue is empty it stays in the batch as a padding row (one stored token, its
-output discarded, never compacted, no meter), so every decode step of a run has `S` rows.
+output discarded, never compacted, no meter), so every decode step of a run has `S` rows until the
+tail narrows.
+
+The tail (`shrink=True`, the default; `retention.runtime.tail`): once the queue is empty and at most
+half the rows hold a sequence, the sequences move onto `S/2`, `S/4`, ... rows (the fewest that hold
+them), but only where no record changes: the linear probe must find every product of the model's
+shapes summing in the same order at both row counts (the products are what a row count reaches;
+kernels choose their order by shape alone), and the step's forward, run on the caches narrowed to
+the new rows, must give every sequence bit for bit the logits (and reference logits) of the wider
+step; a refusal keeps the rows. Scorers, states and decodings key per-sequence state by the engine
+slot, which moves with its row. A layout model keeps its rows.
 
 The static step (`S > 1`): every decode forward runs on all `S` rows over a static cache
 (`RetentionCache.empty_like(static=True)`: views as wide as the capacity, or above 512 tokens as the
@@ -28,20 +38,19 @@ With `fidelity=True` a second cache of the same rows holds the full (never compa
 same tokens are decoded through it too (batched and static as well); each step records
 KL(p_full || p_retained) and whether the top-1 tokens agree.
 
-Host synchronisation (counted in `EngineStats.host_syncs` and `start_syncs`): one read per decode
-step, the sampled tokens (the batched EOS and length check), with the fidelity figures in the same
-read; one per started sequence (its first token) and one more with fidelity (its prefill's figures).
-Sampling draws on the device (on a CPU, where a read waits for nothing, the nucleus adds one or two
-reads per sampling call: `retention.runtime.sampling.draw`); cache lengths and the cadence are tracked on the host, and step timings come from CUDA
-events on a GPU, so nothing else waits for the device in a decode step (a compaction step reads a
-few small tensors).
+Host synchronisation (counted in `EngineStats.host_syncs`, `start_syncs` and `tail_syncs`): one read
+per decode step, the sampled tokens (the batched EOS and length check) with the fidelity figures;
+one per started sequence (its first token) and one more with fidelity (its prefill's figures); two
+or three per narrowing of the tail (its comparisons). Sampling draws on the device (on a CPU the
+nucleus adds one or two reads per sampling call: `retention.runtime.sampling.draw`); cache lengths
+and the cadence are tracked on the host, step timings come from CUDA events on a GPU, so nothing
+else waits for the device in a decode step (a compaction step reads a few small tensors).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -53,103 +62,9 @@ from retention.runtime.host_memory import keep_large_blocks
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
 from retention.runtime.sampling import SamplingConfig, draw, sample_next, sample_rows, sample_tokens  # noqa: F401
-from retention.runtime.trace import CacheTrace
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    finish_reason: str  # "eos" | "length"
-    meter: BudgetMeter
-    wall_seconds: float
-    fidelity: Fidelity | None = None
-    decode_seconds: list[float] = field(default_factory=list)  # per decode forward (of the whole batch)
-    compaction_seconds: list[float] = field(default_factory=list)  # per compaction step (scoring + gather)
-    step_logits: list[torch.Tensor] | None = None  # only with keep_logits=True (tests)
-    trace: CacheTrace | None = None  # what the cache held (policy.tracer a CacheTracer: --trace)
-
-
-@dataclass
-class Request:
-    """One sequence to decode: `key` comes back with its `Generation`; `seed` seeds its sampling."""
-
-    key: object
-    prompt_ids: list[int]
-    seed: int = 0
-
-
-@dataclass
-class EngineStats:
-    """Aggregate figures of one engine run (for progress bars and benchmarks)."""
-
-    finished: int = 0
-    tokens: int = 0
-    busy: int = 0
-    steps: int = 0
-    decode_seconds: float = 0.0
-    compaction_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    fidelity_seconds: float = 0.0  # the reference forward and the KL figures of the decode steps
-    allocated_bytes: int = 0
-    host_syncs: int = 0  # deliberate host reads of decode steps (the docstring's one per step)
-    start_syncs: int = 0  # deliberate host reads of sequence starts (one per started sequence)
-    padding_rows: int = 0  # row-steps decoded for a padding row (what a run's tail costs)
-    t_start: float = field(default_factory=time.perf_counter)
-
-    @property
-    def tokens_per_second(self) -> float:
-        dt = time.perf_counter() - self.t_start
-        return self.tokens / dt if dt > 0 else 0.0
-
-
-@dataclass
-class SequenceState:
-    """One sequence in flight: its request, meter, sampler, fidelity record, tokens and timings."""
-
-    req: Request
-    meter: BudgetMeter
-    gen: torch.Generator | None
-    fid: Fidelity | None
-    t0: float
-    out: list[int] = field(default_factory=list)
-    decode_s: list[float] = field(default_factory=list)
-    compact_s: list[float] = field(default_factory=list)
-    logits: list[torch.Tensor] | None = None
-    finish: str | None = None
-    slot: int = 0
-
-    def stop(self, tok: int, eos: set[int], sampling: SamplingConfig) -> bool:
-        """After appending `tok`: whether the sequence ends here, and why (`finish`: "eos" or "length")."""
-        if tok in eos and not sampling.ignore_eos:
-            self.finish = "eos"
-        elif len(self.out) >= sampling.max_new_tokens:
-            self.finish = "length"
-        return self.finish is not None
-
-
-class _Clock:
-    """Step timings without a host synchronisation: CUDA events on a GPU (read once the step's
-    tokens are on the host, when they are complete), the wall clock elsewhere."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, a, b) -> float:
-        return a.elapsed_time(b) / 1000.0 if self.cuda else b - a
-
-
-def _now(device: torch.device) -> float:
-    """Wall clock after the device's queued work is done (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+from retention.runtime.sequence import EngineStats, Generation, Request, SequenceState  # noqa: F401
+from retention.runtime.syncs import StepClock, synced_now
+from retention.runtime.tail import LinearProbe, narrow_rows, same_rows
 
 
 def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens: int) -> int:
@@ -180,12 +95,14 @@ class Engine:
 
     batch_size: the slot count `S` of every decode step, padding rows included (not clipped to the
     number of requests: a record depends on it). max_prompt: the longest prompt the run will see,
-    which sizes the rows (None: the longest of `requests`, which are then read at once)."""
+    which sizes the rows (None: the longest of `requests`, which are then read at once).
+    shrink: let the tail decode on fewer rows where that changes no record (module doc)."""
 
     def __init__(self, model, requests: Iterable[Request], policy: RetentionPolicy, sampling: SamplingConfig,
                  eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                  keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
-                 on_token: Callable[[int, BudgetMeter], None] | None = None, max_prompt: int | None = None):
+                 on_token: Callable[[int, BudgetMeter], None] | None = None, max_prompt: int | None = None,
+                 shrink: bool = True):
         self.model, self.policy, self.sampling, self.eos = model, policy, sampling, set(eos_token_ids)
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
@@ -193,7 +110,7 @@ class Engine:
         if self.device.type == "cpu":  # a step's logits and probabilities reuse the last step's memory
             keep_large_blocks()
         self.adapter = ModelAdapter(model)
-        self.clock = _Clock(self.device)
+        self.clock = StepClock(self.device)
         if max_prompt is None:
             requests = list(requests)
             max_prompt = max((len(r.prompt_ids) for r in requests), default=0)
@@ -201,7 +118,11 @@ class Engine:
         self._source = iter(requests)
         self._next = next(self._source, None)
         self.S = max(1, batch_size)
-        self.stats = EngineStats(busy=self.S)
+        self.R = self.S  # rows of each decode step: S, fewer once the tail narrows (`_narrow`)
+        # A layout model's attention is this project's own matmul code, which the probe does not cover.
+        self.shrink = shrink and self.S > 1 and not self.adapter.reference
+        self._probe = LinearProbe(model) if self.shrink else None
+        self.stats = EngineStats(busy=self.S, rows=self.S)
         self.slots: list[SequenceState | None] = []  # the sequence of each slot (row); None: padding
         self.cache: RetentionCache | None = None
         self.ref: RetentionCache | None = None
@@ -222,7 +143,7 @@ class Engine:
         """Prefill the next request alone; returns its state, logits `[1, V]` and its caches."""
         req, self._next = self._next, next(self._source, None)
         dev, sampling, policy = self.device, self.sampling, self.policy
-        t0 = _now(dev)
+        t0 = synced_now(dev)
         P = len(req.prompt_ids)
         policy.reset_slot(slot, req.seed)
         if sampling.temperature > 0:
@@ -241,10 +162,10 @@ class Engine:
             tmp_ref = _full_copy(tmp, P + sampling.max_new_tokens)  # any compaction (its forward is this one)
             st.fid.add(lg[0], lg[0])
             self.stats.start_syncs += 1
-        t_c = _now(dev)
+        t_c = synced_now(dev)
         self.stats.prefill_seconds += t_c - t0
         if policy.after_forward(tmp, P, st.meter, prefill=True):
-            dt = _now(dev) - t_c
+            dt = synced_now(dev) - t_c
             st.compact_s.append(dt)
             self.stats.compaction_seconds += dt
         return st, lg, tmp, tmp_ref
@@ -260,7 +181,7 @@ class Engine:
         return st.stop(tok, self.eos, self.sampling)
 
     def _finish(self, st: SequenceState) -> None:
-        g = Generation(st.out, st.finish, st.meter, _now(self.device) - st.t0, st.fid, st.decode_s, st.compact_s,
+        g = Generation(st.out, st.finish, st.meter, synced_now(self.device) - st.t0, st.fid, st.decode_s, st.compact_s,
                        st.logits, self.policy.tracer.finish(st.slot, len(st.out), st.meter.steps, st.fid))
         self.stats.finished += 1
         if self.on_finish is not None:
@@ -324,27 +245,40 @@ class Engine:
                     self.ref.release_row(slot)
 
     def step(self) -> None:
-        """One decode step of all `S` rows, then compaction of the due rows, sampling, EOS checks,
+        """One decode step of every row, then compaction of the due rows, sampling, EOS checks,
         records of finished sequences and refills (or padding)."""
-        slots, cache, ref, stats, clock, policy = self.slots, self.cache, self.ref, self.stats, self.clock, self.policy
-        act = [r for r, st in enumerate(slots) if st is not None]
+        act = [r for r, st in enumerate(self.slots) if st is not None]
         if not act:
             return
-        stats.busy = len(act)
-        stats.padding_rows += self.S - len(act)
+        stats, clock, policy = self.stats, self.clock, self.policy
+        trial, copies = self._tail_rows(act), None
+        if trial is not None:
+            t0 = synced_now(self.device)
+            copies = self.cache.take_rows(trial), None if self.ref is None else self.ref.take_rows(trial)
+            stats.tail_seconds += synced_now(self.device) - t0
         t_step = clock.mark()
-        logits = self.adapter.forward(self._ids, self._pos, cache, padded=True)  # [S, V]
+        logits = self.adapter.forward(self._ids, self._pos, self.cache, padded=True)  # [R, V]
         t_fwd = clock.mark()
         stats.steps += 1
-        widths = cache.widths  # lengths + holes: the buffer slots each row occupies per (layer, KV head)
+        widths = self.cache.widths  # lengths + holes: the buffer slots each row occupies per (layer, KV head)
         for r in act:
-            slots[r].meter.record([cache.lengths[r]], policy.row_kib(cache, r, self.kib), widths[r])
-        whole = len(act) == self.S
+            self.slots[r].meter.record([self.cache.lengths[r]], policy.row_kib(self.cache, r, self.kib), widths[r])
+        ref_logits = None if self.ref is None else self.adapter.forward(self._ids, self._pos, self.ref, padded=True)
+        t_ref = clock.mark()
+        if copies is not None:
+            got = self._narrow(trial, copies, act, logits, ref_logits)
+            if got is not None:
+                logits, ref_logits = got
+                act = [r for r, st in enumerate(self.slots) if st is not None]
+        t_narrow = clock.mark()
+        slots, cache, ref = self.slots, self.cache, self.ref
+        stats.busy = len(act)
+        stats.padding_rows += self.R - len(act)
+        whole = len(act) == self.R
         idx = None if whole else torch.tensor(act, device=self.device)
         sub = logits if whole else logits.index_select(0, idx)  # [A, V]: the rows holding a sequence
         fid = None
         if ref is not None:
-            ref_logits = self.adapter.forward(self._ids, self._pos, ref, padded=True)
             fid = step_agreement(ref_logits if whole else ref_logits.index_select(0, idx), sub)
         t_c = clock.mark()
         nxt = [len(st.req.prompt_ids) + len(st.out) if st else 1 for st in slots]
@@ -352,8 +286,8 @@ class Engine:
         compacted = policy.after_forward(cache, nxt[0] if self.S == 1 else nxt, meters[0] if self.S == 1 else meters,
                                          prefill=False, tokens=[st.out[-1] if st else None for st in slots])
         t_end = clock.mark()
-        toks, reads = draw(policy.decoding.adjust(sub, act, [slots[r].out for r in act]), self.sampling,
-                           [self.gens[r] for r in act])
+        toks, reads = draw(policy.decoding.adjust(sub, [slots[r].slot for r in act], [slots[r].out for r in act]),
+                           self.sampling, [slots[r].gen for r in act])
         # The one host read of the step: the tokens (batched EOS and length checks), the fidelity figures.
         A = len(act)
         read = (toks.tolist() if fid is None else torch.cat([toks.double(), fid[0], fid[1].double()]).tolist())
@@ -366,7 +300,9 @@ class Engine:
         dt = clock.seconds(t_step, t_fwd)
         stats.decode_seconds += dt
         if ref is not None:
-            stats.fidelity_seconds += clock.seconds(t_fwd, t_c)
+            stats.fidelity_seconds += clock.seconds(t_fwd, t_ref) + clock.seconds(t_narrow, t_c)
+        if copies is not None:
+            stats.tail_seconds += clock.seconds(t_ref, t_narrow)
         dt_c = clock.seconds(t_c, t_end) if compacted else None
         if dt_c is not None:
             stats.compaction_seconds += dt_c
@@ -384,12 +320,47 @@ class Engine:
         self._release_padding()
         stats.allocated_bytes = max(stats.allocated_bytes, cache.allocated_bytes())
 
+    def _tail_rows(self, act: list[int]) -> list[int] | None:
+        """The rows the tail decodes on from this step (`tail.narrow_rows`), or None to keep `R`
+        (also when the linear probe finds that a product would sum in another order there)."""
+        if not self.shrink or self._next is not None:
+            return None
+        rows = narrow_rows([st is not None for st in self.slots])
+        if rows is None:
+            return None
+        t0 = synced_now(self.device)
+        exact = self._probe.exact(self.R, rows, act)
+        self.stats.tail_seconds += synced_now(self.device) - t0
+        self.stats.tail_syncs += 1
+        return rows if exact else self._refuse()
+
+    def _narrow(self, rows: list[int], copies, act: list[int], logits: torch.Tensor, ref_logits):
+        """Decode this step on `copies` (the caches narrowed to `rows`, before the step's write) and
+        take them over if every sequence's logits (and reference logits) are bit for bit those of
+        the `R` rows: the narrow `(logits, reference logits)`, or None (the rows are kept)."""
+        ridx = torch.tensor(rows, device=self.device)
+        ids, pos = self._ids.index_select(0, ridx), self._pos.index_select(0, ridx)
+        wide = (logits, ref_logits)
+        got = same_rows(lambda c: self.adapter.forward(ids, pos, c, padded=True), copies, wide, act, self.stats)
+        if got is None:
+            return self._refuse()
+        self.cache, self.ref, self._ids, self._pos = *copies, ids, pos
+        self.slots = [self.slots[r] for r in rows]
+        self.R = self.stats.rows = len(rows)
+        self.stats.narrowed += 1
+        return got
+
+    def _refuse(self) -> None:
+        self.shrink = False
+        self.stats.narrow_refused += 1
+
 
 def run_engine(model, requests: Iterable[Request], policy: RetentionPolicy, sampling: SamplingConfig,
                eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                on_token: Callable[[int, BudgetMeter], None] | None = None,
-               on_step: Callable[[EngineStats], None] | None = None, max_prompt: int | None = None) -> EngineStats:
+               on_step: Callable[[EngineStats], None] | None = None, max_prompt: int | None = None,
+               shrink: bool = True) -> EngineStats:
     """Decode every request under `policy` in `batch_size` slots (see module doc).
 
     on_finish(request, generation): called as each sequence ends, in finishing order.
@@ -398,7 +369,7 @@ def run_engine(model, requests: Iterable[Request], policy: RetentionPolicy, samp
     """
     eng = Engine(model, requests, policy, sampling, eos_token_ids, kib_per_token, batch_size=batch_size,
                  fidelity=fidelity, keep_logits=keep_logits, on_finish=on_finish, on_token=on_token,
-                 max_prompt=max_prompt)
+                 max_prompt=max_prompt, shrink=shrink)
     with torch.inference_mode(), policy.attach(model):
         eng.fill()
         while eng.rows:

@@ -228,7 +228,7 @@ def test_one_host_read_per_decode_step(tiny, stats_path, temperature, top_p, sam
     else:  # one read per draw, two where a row's nucleus reached past the first candidates
         assert 2 * st.steps <= st.host_syncs <= 3 * st.steps and 3 * starts <= st.start_syncs <= 4 * starts
         assert st.host_syncs + st.start_syncs > 2 * st.steps + 3 * starts  # the second tier ran
-    assert counts["all"] == st.host_syncs + st.start_syncs
+    assert counts["all"] == st.host_syncs + st.start_syncs + st.tail_syncs
 
 
 def test_fidelity_kl_is_the_written_out_sum():
