@@ -68,3 +68,11 @@ def test_the_table_is_the_logs():
     assert off["narrowed"] == 0 and off["rows"] == 64 and on["rows"] == 2 and on["narrowed"] == 5
     assert f"{on['tail_s']:.1f} s" in readme
     assert round(100 * on["tps"] / speed["triattention"]) >= 70
+    main = (FOLDER.parent.parent / "README.md").read_text()
+    a, b = off, on
+    shares = [round(100 * p["tps"] / speed["triattention"]) for p in (a, b)]
+    pairs = [(f"{a['tps']:.1f}", f"{b['tps']:.1f}"), (f"{shares[0]}%", f"{shares[1]}%"),
+             (f"{a['wall']:.1f}", f"{b['wall']:.1f}"), (f"{a['decode']:.1f}", f"{b['decode']:.1f}"),
+             (f"{a['pad']:,}", f"{b['pad']:,}")]
+    for text in [f"{x} → {y}" for x, y in pairs] + [f"{on['tail_s']:.1f} s"]:
+        assert text in main, text

@@ -351,7 +351,7 @@ class Engine:
         return got
 
     def _refuse(self) -> None:
-        self.shrink = False
+        self.shrink, self._probe = False, None  # the probe's weights are freed with it
         self.stats.narrow_refused += 1
 
 

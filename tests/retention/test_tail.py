@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from retention.runtime import tail
+from retention.runtime.cadence import NewlineCadence
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
+from retention.runtime.mechanisms import make_mechanism
 from retention.runtime.policy import RetentionPolicy, cadence_for
 from retention.scorers import make_scorer
 from retention.scorers.calibration import calibrate
@@ -75,6 +77,31 @@ def test_the_tail_changes_no_record(models, stats_path, dtype, name):
     assert st_on.tokens == st_off.tokens and st_on.steps == st_off.steps
     if st_on.narrowed:
         assert st_on.rows < SLOTS and st_on.padding_rows < st_off.padding_rows
+
+
+MECHANISMS = [("routing", "adakv", {}), ("routing", "pyramidkv", {}), ("routing", "per-layer", {}),
+              ("state", "quant", {"bits": 4, "residual": 8}), ("state", "merge", {}),
+              ("decoding", "loop-guard", {"ngram": 3, "max_repeats": 1, "window": 32}), ("cadence", "newline", {})]
+
+
+@pytest.mark.parametrize("fam,name,params", MECHANISMS, ids=[f"{f}-{n}" for f, n, _ in MECHANISMS])
+def test_the_tail_changes_no_record_in_the_other_families(models, stats_path, fam, name, params):
+    """Per-sequence state of routing (ragged rows), state (quantised tails, merges), decoding (the
+    guard's histories) and cadence moves with its sequence's row."""
+    model = models[torch.float64]
+
+    def policy():
+        sc = make_scorer("triattention", stats=stats_path[torch.float64])
+        if fam == "cadence":
+            return RetentionPolicy(sc, cadence_for(sc, 24, 4, kind=NewlineCadence, params={"max_wait": 4}))
+        return RetentionPolicy(sc, cadence_for(sc, 24, 4), **{fam: make_mechanism(fam, name, params)})
+
+    off, st_off = _records(model, policy(), shrink=False)
+    on, st_on = _records(model, policy(), shrink=True)
+    _assert_same(on, off)
+    assert st_on.narrowed + st_on.narrow_refused >= 1
+    if not st_on.narrowed:
+        pytest.skip("the probe refused every narrowing of this run on this host's kernels")
 
 
 def test_the_tail_narrows_somewhere_on_this_host(models, stats_path):
