@@ -677,6 +677,13 @@ class RetentionCache(Cache):
         for layer in self.layers:
             layer.set_width(w)
 
+    def reachable_widths(self) -> list[int]:
+        """The view widths the forwards of a static cache can have from now on: the current one,
+        then one more block of `WIDTH_BLOCK` at a time up to the capacity."""
+        first = self.layers[0]
+        w, cap = first.positions.shape[-1], first.capacity
+        return sorted({first.view_width(n) for n in range(max(w, 1), cap + 1, WIDTH_BLOCK)} | {first.view_width(cap)})
+
     def take_rows(self, rows: list[int]) -> RetentionCache:
         """A new cache of `rows` only, in this order (copies of their buffers; this cache unchanged):
         the engine's tail, which decodes its last sequences on fewer rows."""

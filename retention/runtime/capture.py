@@ -104,6 +104,17 @@ def _eager_for(module) -> Callable:
     return fn
 
 
+def attention_function(module) -> Callable:
+    """The attention function `module`'s forward calls under its config's implementation, the
+    original one where that is a recording name of this module (so a call records nothing)."""
+    # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = module.config._attn_implementation
+    impl = _REGISTERED.get(impl, impl)
+    return _eager_for(module) if impl in (None, "eager") else ALL_ATTENTION_FUNCTIONS[impl]
+
+
 def _make_capture_fn(original: str) -> Callable:
     # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

@@ -13,11 +13,11 @@ tail narrows.
 
 The tail (`shrink=True`, the default; `retention.runtime.tail`): once the queue is empty and at most
 half the rows hold a sequence, the sequences move onto `S/2`, `S/4`, ... rows (the fewest that hold
-them), but only where no record changes: the linear probe must find every product of the model's
-shapes summing in the same order at both row counts (the products are what a row count reaches;
-kernels choose their order by shape alone), and the step's forward, run on the caches narrowed to
-the new rows, must give every sequence bit for bit the logits (and reference logits) of the wider
-step; a refusal keeps the rows. Scorers, states and decodings key per-sequence state by the engine
+them), but only where no record changes: the probe must find every product and the attention at
+the model's shapes summing in the same order at both row counts (they are what a row count
+reaches; kernels choose their order by shape alone), and the step's forward, run on the caches
+narrowed to the new rows, must give every sequence bit for bit the logits (and reference logits)
+of the wider step; a refusal keeps the rows. Scorers, states and decodings key per-sequence state by the engine
 slot, which moves with its row. A layout model keeps its rows.
 
 The static step (`S > 1`): every decode forward runs on all `S` rows over a static cache
@@ -64,7 +64,7 @@ from retention.runtime.policy import RetentionPolicy
 from retention.runtime.sampling import SamplingConfig, draw, sample_next, sample_rows, sample_tokens  # noqa: F401
 from retention.runtime.sequence import EngineStats, Generation, Request, SequenceState  # noqa: F401
 from retention.runtime.syncs import StepClock, synced_now
-from retention.runtime.tail import LinearProbe, narrow_rows, same_rows
+from retention.runtime.tail import TailProbe, narrow_rows, same_rows
 
 
 def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens: int) -> int:
@@ -121,7 +121,7 @@ class Engine:
         self.R = self.S  # rows of each decode step: S, fewer once the tail narrows (`_narrow`)
         # A layout model's attention is this project's own matmul code, which the probe does not cover.
         self.shrink = shrink and self.S > 1 and not self.adapter.reference
-        self._probe = LinearProbe(model) if self.shrink else None
+        self._probe = TailProbe(model) if self.shrink else None
         self.stats = EngineStats(busy=self.S, rows=self.S)
         self.slots: list[SequenceState | None] = []  # the sequence of each slot (row); None: padding
         self.cache: RetentionCache | None = None
@@ -322,14 +322,15 @@ class Engine:
 
     def _tail_rows(self, act: list[int]) -> list[int] | None:
         """The rows the tail decodes on from this step (`tail.narrow_rows`), or None to keep `R`
-        (also when the linear probe finds that a product would sum in another order there)."""
+        (also when the probe finds that a product or the attention would sum in another order there)."""
         if not self.shrink or self._next is not None:
             return None
         rows = narrow_rows([st is not None for st in self.slots])
         if rows is None:
             return None
         t0 = synced_now(self.device)
-        exact = self._probe.exact(self.R, rows, act)
+        views = [(c.reachable_widths(), c.layers[0].capacity, c.ragged) for c in (self.cache, self.ref) if c is not None]
+        exact = self._probe.exact(self.R, rows, act, views)
         self.stats.tail_seconds += synced_now(self.device) - t0
         self.stats.tail_syncs += 1
         return rows if exact else self._refuse()
