@@ -7,9 +7,9 @@ shape. Norms, rotary embeddings and the other elementwise ops work within a row.
 `M` is a property of the host's kernels (`results/tail-qwen0.5b/row-counts.txt`): on one
 AVX512-BF16 host every bfloat16 product of qwen2.5-coder-0.5b's shapes was bit for bit the same at
 every `M` from 2 to 64 but its 4864 -> 896 one not at 1 row, float32 products differed at 1-3, 5-7
-and 9-11 rows, and the attention at SmolLM2's shapes (3 KV heads of 3 queries, 336 keys) differed
-at 8 and 4 of 16 rows in bfloat16 and float32 alike, where qwen's (2 KV heads of 7) did not. So the
-engine asks, before each narrowing.
+and 9-11 rows, and the attention at SmolLM2's shapes (3 KV heads of 3 queries) differed at 8, 4, 2
+and 1 of 16 rows over 79 and 336 keys (not over 170) in bfloat16 and float32 alike, where qwen's
+(2 KV heads of 7, 191 keys) did not. So the engine asks, before each narrowing.
 
 `TailProbe.exact(R, rows, act, widths)` runs, at the `R` rows of the wide step and at the narrow
 rows `rows` (the sequences of rows `act` moved to the front, as the engine moves them), and
