@@ -24,7 +24,8 @@ that every row falls due within the decode (`_Kit.budget`, `_Kit.new_tokens`):
   uninterrupted run writes (seeded sampling, so per-sequence seeds matter too);
 * host reads per token: the scorer's per-forward hook (`observe`) reads nothing on the host, and
   everything outside the scorer's hooks reads exactly the engine's documented reads (one per step,
-  one per started sequence); the reads at compactions and set-up are reported;
+  one per started sequence, two or three per narrowing of the tail); the reads at compactions and
+  set-up are reported;
 * compaction share at an 8k context: a figure (float32 tiny-random, one sequence, decode steps only).
 """
 
@@ -356,11 +357,13 @@ def _host_reads(kit: _Kit) -> CheckResult:
 
     counts, stats, probe = decode()
     detail = (f"observe {counts['observe']} in {probe.calls} forwards; engine {counts['engine']} in {stats.steps} "
-              f"steps + {len(PROMPTS)} prefills (documented: 1 per step, 1 per started sequence; the engine "
-              f"counted {stats.host_syncs} + {stats.start_syncs}); "
+              f"steps + {len(PROMPTS)} prefills + {stats.narrowed + stats.narrow_refused} tail narrowings "
+              f"(documented: 1 per step, 1 per started sequence, 2 or 3 per narrowing; the engine counted "
+              f"{stats.host_syncs} + {stats.start_syncs} + {stats.tail_syncs}); "
               f"score/select/compacted {counts['compaction']}, set-up {counts['setup']} in total")
-    documented = stats.steps + len(PROMPTS)
-    ok = counts["observe"] == 0 and counts["engine"] == documented == stats.host_syncs + stats.start_syncs
+    documented = stats.steps + len(PROMPTS) + stats.tail_syncs
+    ok = counts["observe"] == 0 and counts["engine"] == documented == (stats.host_syncs + stats.start_syncs
+                                                                       + stats.tail_syncs)
     return CheckResult("host reads per token", ok, detail)
 
 

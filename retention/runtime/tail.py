@@ -111,7 +111,7 @@ class TailProbe:
 
         def compare(wide: torch.Tensor, narrow: torch.Tensor) -> None:
             idx = torch.tensor(act, device=wide.device)
-            same.append((narrow[:len(act)] == wide.index_select(0, idx)).all().cpu())
+            same.append((narrow[:len(act)] == wide.index_select(0, idx)).all())
 
         for (k, n, dt, _, dev), (w, b) in zip(self.shapes, self._made(), strict=True):
             sel = torch.tensor(rows, device=dev)
@@ -183,7 +183,7 @@ def same_rows(forward, caches, wide, act: list[int], stats) -> tuple | None:
         narrow = forward(cache)
         stats.tail_syncs += 1
         idx = torch.tensor(act, device=narrow.device)
-        if not torch.equal(narrow[:len(act)], lg.index_select(0, idx)):
+        if not bool((narrow[:len(act)] == lg.index_select(0, idx)).all()):
             return None
         got.append(narrow)
     return tuple(got)
