@@ -16,16 +16,19 @@ from transformers.utils import logging as hf_logging
 
 from retention.dtypes import dtype_name, resolve_dtype
 from retention.errors import RetentionError
+from retention.memory import available_bytes
 from retention.models.aliases import SPLIT_GGUFS, TINY_RANDOM_SEED, ModelRef, resolve_model
 from retention.models.arch.configs import TINY
 from retention.models.arch.model import build_arch, is_arch_model
 from retention.models.gguf import cached_quant, gguf_config, gguf_file_cache, gguf_quant, split_gguf_cache
 from retention.models.hub import PROBE_SECONDS, hub_answers
 from retention.models.layouts import DOCUMENTED, CacheLayout, layout_from_config
+from retention.models.packing import pack_linears, packing_supported
 from retention.models.prompts import prompt_style
 from retention.models.tiny import build_tiny_random, build_tiny_tokenizer
 from retention.models.weights_cache import _smollm2_cache, sha256_files, smollm2_gguf_path
 
+PACK_SHARE = 0.25  # of the memory available after loading, at most, for packed weight copies
 _DEVICE_RE = re.compile(r"cpu|mps|cuda(?::(\d+))?")
 
 
@@ -99,13 +102,17 @@ def load_model(
     revision: str | None = None,
     *,
     seed: int = TINY_RANDOM_SEED,
+    pack: bool | None = None,
 ) -> LoadedModel:
     """Load `name` (an alias of `ALIASES`, an aliased hub id, a local folder with config.json, or a
     local `.gguf` file, converted once into the cache).
 
     `dtype` is `float32 | bfloat16 | float16`; `device` is `cpu | cuda | cuda:N | mps` and must be
     available. `revision` (a hub branch, tag or commit) applies to hub models only. `seed` selects
-    the weights of `tiny-random` and is ignored otherwise. Every failure a user can cause or fix
+    the weights of `tiny-random` and is ignored otherwise. `pack` reorders bfloat16 CPU linear
+    weights once for oneDNN (`retention.models.packing`: the same outputs, faster steps), within
+    `PACK_SHARE` of the memory available after loading; None: unless `RETENTION_PACK=0` is set
+    (every command, for measuring what packing buys). Every failure a user can cause or fix
     ends in a one-line `RetentionError`.
     """
     torch_dtype = resolve_dtype(dtype)
@@ -144,6 +151,10 @@ def load_model(
         model_id, resolved_revision = ref.source, _folder_revision(Path(ref.source))
 
     model.eval()
+    if pack is None:
+        pack = os.environ.get("RETENTION_PACK", "1") != "0"
+    if pack and packing_supported(torch_dtype, device):
+        pack_linears(model, int(PACK_SHARE * (available_bytes(device) or 0)))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from protocol.io import load_json_object, write_json
 from retention.errors import RetentionError
+from retention.memory import available_bytes
 
 MEMORY_SHARE = 0.5  # of the memory available when the run starts
 MAX_SLOTS = {"cuda": 256, "cpu": 64}  # a CPU gains little past 64 rows, and a tail of padding rows costs more
@@ -34,21 +34,6 @@ class SlotChoice:
 
     slots: int
     why: str
-
-
-def available_bytes(device) -> int | None:
-    """Memory a run can use now: free GPU memory on CUDA, MemAvailable (/proc/meminfo) on a CPU
-    (None where neither can be read)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def slot_kib(cadence, kib_per_token: float, longest_prompt: int, max_new_tokens: int, fidelity: bool) -> float:

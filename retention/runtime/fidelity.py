@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from retention.runtime.sampling import greedy
+
 
 @dataclass
 class Fidelity:
@@ -41,4 +43,4 @@ def step_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> tuple[torc
     q_log = torch.log_softmax(logits.double(), -1)
     # sum p (log p - log q), the same figures as written out, in one fused kernel
     kl = torch.nn.functional.kl_div(q_log, p_log, reduction="none", log_target=True).sum(-1).clamp(min=0.0)
-    return kl, ref_logits.argmax(-1) == logits.argmax(-1)
+    return kl, greedy(ref_logits) == greedy(logits)

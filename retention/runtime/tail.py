@@ -39,15 +39,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from retention.models.packing import PackedLinear, pack_weight, packed_linear
 from retention.runtime.capture import attention_function
 
 TRIALS = 8
 DENSITY = 0.1  # share of +-B entries in a probe row (the most revealing of the densities measured)
 
 
-def linear_shapes(model) -> list[tuple[int, int, torch.dtype, bool, torch.device]]:
-    """The distinct `(in, out, dtype, bias, device)` of the model's `nn.Linear` modules."""
-    seen = {(m.in_features, m.out_features, m.weight.dtype, m.bias is not None, m.weight.device)
+def linear_shapes(model) -> list[tuple[int, int, torch.dtype, bool, torch.device, bool]]:
+    """The distinct `(in, out, dtype, bias, device, packed)` of the model's `nn.Linear` modules
+    (`packed`: a `PackedLinear` with its reordered copy, whose product is the one to probe)."""
+    seen = {(m.in_features, m.out_features, m.weight.dtype, m.bias is not None, m.weight.device,
+             isinstance(m, PackedLinear) and m.packed is not None)
             for m in model.modules() if isinstance(m, torch.nn.Linear)}
     return sorted(seen, key=str)
 
@@ -92,10 +95,14 @@ class TailProbe:
         self._weights: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def _made(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per shape: the +-1 weight (reordered as the model's are where those are packed), the bias."""
         if self._weights is None:
             g = torch.Generator().manual_seed(self.seed)
-            self._weights = [(_signs((n, k), dt, g).to(dev), torch.zeros(n, dtype=dt, device=dev) if bias else None)
-                             for k, n, dt, bias, dev in self.shapes]
+            made = []
+            for k, n, dt, bias, dev, packed in self.shapes:
+                w = _signs((n, k), dt, g).to(dev)
+                made.append((pack_weight(w) if packed else w, torch.zeros(n, dtype=dt, device=dev) if bias else None))
+            self._weights = made
         return self._weights
 
     def exact(self, R: int, rows: list[int], act: list[int], views: list[tuple[list[int], int, bool]] = (),
@@ -104,7 +111,7 @@ class TailProbe:
         head_mask)`: the view widths a cache can still reach, its buffers' capacity, whether its
         mask is per head: ragged rows), give rows `act` of an `R`-row call bit for bit what the
         same rows give at the front of a call over `rows` (`rows[:len(act)] == act`). One host read."""
-        if any(dt == torch.float16 for _, _, dt, _, _ in self.shapes):
+        if any(dt == torch.float16 for _, _, dt, _, _, _ in self.shapes):
             return False  # +-B beyond float32's precision does not fit in float16
         g = torch.Generator().manual_seed(self.seed + 1)
         same = []
@@ -113,11 +120,12 @@ class TailProbe:
             idx = torch.tensor(act, device=wide.device)
             same.append((narrow[:len(act)] == wide.index_select(0, idx)).all())
 
-        for (k, n, dt, _, dev), (w, b) in zip(self.shapes, self._made(), strict=True):
+        for (k, n, dt, _, dev, packed), (w, b) in zip(self.shapes, self._made(), strict=True):
             sel = torch.tensor(rows, device=dev)
+            product = packed_linear if packed else F.linear
             for _ in range(trials):
                 x = order_revealing((R, 1, k), dt, g).to(dev)  # [R, 1, k]: a decode step's one token per row
-                compare(F.linear(x, w, b), F.linear(x.index_select(0, sel), w, b))
+                compare(product(x, w, b), product(x.index_select(0, sel), w, b))
         for module, (widths, capacity, head_mask) in ((m, v) for m in self.attention for v in views):
             for width in widths:
                 for t in range(trials):

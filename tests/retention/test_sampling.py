@@ -163,3 +163,21 @@ def test_inverse_cdf_at_exact_boundaries(candidates, monkeypatch):
     two = torch.tensor([[0.25, 0.25, 0.125, 0.125, 0.125, 0.125]])  # nucleus {0, 1} at 0.3, total 0.5
     tok, _ = inverse_cdf(two.expand(3, -1).contiguous(), 0.3, torch.tensor([0.0, 0.5, 0.75], dtype=torch.float64))
     assert tok.tolist() == [0, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+def test_greedy_is_argmax_with_ties_nan_and_inf(dtype):
+    """`greedy` picks what `argmax` picks: the first maximum, NaN counting as the largest."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(120):
+        rows, vocab = int(torch.randint(1, 70, (1,), generator=g)), int(torch.randint(1, 3000, (1,), generator=g))
+        x = torch.randint(-3, 4, (rows, vocab), generator=g).to(dtype)  # many ties
+        if trial % 3 == 0:
+            x[torch.rand(rows, vocab, generator=g) < 0.01] = float("nan")
+        if trial % 5 == 0:
+            x[0] = float("-inf")
+        if trial % 7 == 0:
+            x[:, : vocab // 2] = float("inf")
+        assert torch.equal(sampling.greedy(x), x.argmax(-1)), trial
+    x = torch.randn(64, 151936, generator=g).to(dtype)
+    assert torch.equal(sampling.greedy(x), x.argmax(-1))
