@@ -16,6 +16,7 @@ qwen2.5-coder-0.5b with its tied 151,936-token head), so `pack_linears` packs on
 fit in a stated share of the memory available. `PackedLinear` is an `nn.Linear` (same parameters,
 same state dict); it uses the copy only where the call is the one it was packed for (CPU, bfloat16
 input, no gradient) and the weight has not been written since, and is plain `F.linear` otherwise.
+A deep copy or an unpickled module packs its own weight again (the opaque copy cannot be copied).
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ class PackedLinear(torch.nn.Linear):
         linear.packed = pack_weight(linear.weight)
         linear.packed_version = linear.weight._version
         return linear
+
+    def __getstate__(self) -> dict:
+        # An opaque oneDNN tensor has no storage to copy or pickle: copies pack their own weight.
+        state = dict(super().__getstate__())  # a copy: the module keeps its own
+        state.pop("packed", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if packing_supported(self.weight.dtype, self.weight.device):
+            self.packed, self.packed_version = pack_weight(self.weight), self.weight._version
 
     def uses_copy(self, x: torch.Tensor) -> bool:
         """Whether a call on `x` runs on the reordered copy (else: `F.linear`)."""

@@ -6,6 +6,7 @@ state dict and tied weights are untouched; the budget bounds the copies; the tai
 over the packed product where the model does."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -133,3 +134,25 @@ def test_retention_pack_0_turns_packing_off(monkeypatch):
     monkeypatch.setenv("RETENTION_PACK", "0")
     assert _packed(load_model("tiny-random", dtype="bfloat16").model) == []
     assert len(_packed(load_model("tiny-random", dtype="bfloat16", pack=True).model)) > 0
+
+
+def test_copies_and_pickles_pack_their_own_weight(pair):
+    _, packed = pair
+    x = torch.randint(0, 256, (2, 9))
+    for other in (copy.deepcopy(packed), _roundtrip(packed)):
+        assert len(_packed(other)) == len(_packed(packed))
+        with torch.inference_mode():
+            assert all(m.packed is not None and m.uses_copy(torch.zeros(1, m.in_features, dtype=torch.bfloat16))
+                       for m in _packed(other))
+            assert torch.equal(other(x).logits, packed(x).logits)
+    assert all(m.packed is not None for m in _packed(packed))  # the original keeps its copies
+    wide = copy.deepcopy(packed).to(torch.float32)  # a float32 copy multiplies by F.linear
+    with torch.inference_mode():
+        assert wide(x).logits.dtype == torch.float32
+
+
+def _roundtrip(model):
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
