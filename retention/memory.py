@@ -20,4 +20,3 @@ def available_bytes(device) -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-

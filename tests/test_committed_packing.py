@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+from tests.test_committed_tail import run_records
+
 FOLDER = Path(__file__).resolve().parent.parent / "results" / "packed-linears"
 ROOT = FOLDER.parent.parent
 
@@ -62,23 +64,11 @@ def test_every_bench_ran_at_the_committed_commit():
         assert json.loads((FOLDER / name).read_text())["threads"] == 2
 
 
-RUN = "qwen2.5-coder-0.5b-triattention-b128-1628c0eae6"
-TIMING = ("wall_seconds", "tokens_per_second")
-
-
-def _records(path: Path) -> dict:
-    out = {}
-    for line in (path / RUN / "records.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out[(r["problem_id"], r["sample"])] = {k: v for k, v in r.items() if k not in TIMING}
-    return out
-
-
 def test_the_packed_real_run_wrote_the_unpacked_runs_records():
     """201 dev problems of qwen2.5-coder-0.5b under the protocol's sampling, packed: the records of
     `../tail-qwen0.5b/`'s runs (not packed) but for their timing fields, and the README's pace is the log's."""
-    packed = _records(FOLDER / "dev-tail-packed")
-    before = _records(FOLDER.parent / "tail-qwen0.5b" / "dev-tail-8f30cc2")
+    packed = run_records(FOLDER / "dev-tail-packed")
+    before = run_records(FOLDER.parent / "tail-qwen0.5b" / "dev-tail-8f30cc2")
     assert len(packed) == 201 and packed.keys() == before.keys()
     for key in before:
         assert packed[key] == before[key], key

@@ -15,9 +15,10 @@ TIMING = ("wall_seconds", "tokens_per_second")
 PAIRS = {"1": "", "2": "-8f30cc2"}  # pair -> file suffix
 
 
-def _records(variant: str) -> dict:
+def run_records(folder: Path) -> dict:
+    """The records of the run in `folder` by (problem, sample), without their timing fields."""
     out = {}
-    for line in (FOLDER / variant / RUN / "records.jsonl").read_text().splitlines():
+    for line in (folder / RUN / "records.jsonl").read_text().splitlines():
         r = json.loads(line)
         out[(r["problem_id"], r["sample"])] = {k: v for k, v in r.items() if k not in TIMING}
     return out
@@ -41,11 +42,11 @@ def _bench(suffix: str) -> dict:
 
 
 def test_the_runs_wrote_the_same_records():
-    base = _records("dev-no-tail")
+    base = run_records(FOLDER / "dev-no-tail")
     assert len(base) == 201
     for suffix in PAIRS.values():
         for v in ("dev-no-tail", "dev-tail"):
-            got = _records(v + suffix)
+            got = run_records(FOLDER / (v + suffix))
             assert got.keys() == base.keys()
             for key in base:
                 assert got[key] == base[key], (v + suffix, key)
@@ -64,7 +65,7 @@ def test_the_table_is_the_logs(pair):
     runs = {}
     for variant, label in (("dev-no-tail", "all 64 rows"), ("dev-tail", "narrowed")):
         p = _prof(variant + suffix)
-        tokens = sum(r["output_tokens"] for r in _records(variant + suffix).values())
+        tokens = sum(r["output_tokens"] for r in run_records(FOLDER / (variant + suffix)).values())
         assert p["tokens"] == p["out"] == tokens
         assert p["tps"] == pytest.approx(tokens / p["wall"], abs=0.05)
         share = f"{round(100 * p['tps'] / speed['triattention'])}%"

@@ -7,8 +7,8 @@ into its blocked layout, on every call. `PackedLinear` keeps that reordered copy
 outputs were bit for bit `F.linear`'s at every row count from 1 to 64 for every shape of
 qwen2.5-coder-0.5b, SmolLM2-135M and the tiny test model, with and without a bias
 (`tests/retention/test_packing.py` checks the records of whole runs), and a step saved the reorder:
-a 16 x 896 x 4864 product took 0.37 against 0.74 ms, a 64-row one 1.59 against 1.80 ms
-(`results/packed-linears/`). float32 is left alone: there `F.linear` is MKL's product, not
+a 16 x 896 x 4864 product took 0.34 against 0.55 ms, a 64-row one 1.79 against 2.28 ms
+(`results/packed-linears/probes/linear_speed.log`). float32 is left alone: there `F.linear` is MKL's product, not
 oneDNN's, and the packed one differs from it in the last bits.
 
 The reordered copy is extra memory (the weights of every linear layer once more, about 1 GB for
@@ -54,9 +54,17 @@ class PackedLinear(torch.nn.Linear):
         """`linear` itself, its class switched, its parameters (tied ones too) untouched: the model,
         its hooks and whatever else holds the module keep holding the same object."""
         linear.__class__ = cls
-        linear.packed = pack_weight(linear.weight)
-        linear.packed_version = linear.weight._version
+        linear.repack()
         return linear
+
+    def repack(self) -> None:
+        """Reorder the weight as it is now (the copy is current until the weight is written)."""
+        self.packed, self.packed_version = pack_weight(self.weight), self.weight._version
+
+    @property
+    def current(self) -> bool:
+        """Whether the reordered copy is the weight as it is now."""
+        return self.packed is not None and self.weight._version == self.packed_version
 
     def __getstate__(self) -> dict:
         # An opaque oneDNN tensor has no storage to copy or pickle: copies pack their own weight.
@@ -67,12 +75,12 @@ class PackedLinear(torch.nn.Linear):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         if packing_supported(self.weight.dtype, self.weight.device):
-            self.packed, self.packed_version = pack_weight(self.weight), self.weight._version
+            self.repack()
 
     def uses_copy(self, x: torch.Tensor) -> bool:
         """Whether a call on `x` runs on the reordered copy (else: `F.linear`)."""
-        return (self.packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and self.weight.device.type == "cpu" and self.weight._version == self.packed_version
+        return (self.current and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and self.weight.device.type == "cpu"
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,9 @@ DENSITY = 0.1  # share of +-B entries in a probe row (the most revealing of the 
 
 def linear_shapes(model) -> list[tuple[int, int, torch.dtype, bool, torch.device, bool]]:
     """The distinct `(in, out, dtype, bias, device, packed)` of the model's `nn.Linear` modules
-    (`packed`: a `PackedLinear` with its reordered copy, whose product is the one to probe)."""
+    (`packed`: a `PackedLinear` whose copy is current, so that its product is the one to probe)."""
     seen = {(m.in_features, m.out_features, m.weight.dtype, m.bias is not None, m.weight.device,
-             isinstance(m, PackedLinear) and m.packed is not None)
+             isinstance(m, PackedLinear) and m.current)
             for m in model.modules() if isinstance(m, torch.nn.Linear)}
     return sorted(seen, key=str)
 

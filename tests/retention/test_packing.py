@@ -15,17 +15,16 @@ import torch.nn.functional as F
 from retention.models import load_model
 from retention.models.packing import PackedLinear, pack_linears, packing_supported
 from retention.runtime import tail
-from retention.runtime.engine import Request, SamplingConfig, run_engine
 from retention.runtime.policy import RetentionPolicy, cadence_for
 from retention.scorers import make_scorer
 from retention.scorers.calibration import calibrate
+from tests.retention.test_tail import PROMPTS as TAIL_PROMPTS
+from tests.retention.test_tail import _assert_same as assert_same_records
+from tests.retention.test_tail import _records as tail_records
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"),
                                 reason="this CPU's oneDNN has no bfloat16 kernels: nothing is packed")
 
-_g = torch.Generator().manual_seed(7)
-PROMPTS = [torch.randint(0, 256, (n,), generator=_g).tolist() for n in (9, 110, 23, 64, 15, 97, 40, 12, 75, 31)]
-EOS = set(range(3, 256, 24))
 BIG = 1 << 40
 
 
@@ -59,6 +58,8 @@ def test_the_packed_product_is_f_linear_at_every_row_count(k, n, bias):
 
 @pytest.mark.parametrize("name", ["full", "streaming", "triattention", "alpha", "snapkv", "h2o"])
 def test_packing_changes_no_record(pair, tmp_path, name):
+    """The tail's run of 16 prompts on 8 slots (sampled, fidelity on, the tail narrowing) with and
+    without packing: the same records and every step's logits."""
     plain, packed = pair
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
     stats = str(calibrate(plain, ids).save(tmp_path / "tiny-bf16.safetensors"))
@@ -66,17 +67,9 @@ def test_packing_changes_no_record(pair, tmp_path, name):
     for model in (plain, packed):
         sc = make_scorer(name, stats=stats)
         policy = RetentionPolicy(sc, cadence_for(sc, 24 if sc.evicts else None, 4 if sc.evicts else None))
-        out = {}
-        run_engine(model, [Request(i, p, i) for i, p in enumerate(PROMPTS)], policy,
-                   SamplingConfig(max_new_tokens=48, temperature=0.8, top_p=0.9), EOS, 1.0, batch_size=4,
-                   fidelity=True, keep_logits=True, on_finish=lambda r, g: out.__setitem__(r.key, g))
-        runs.append({k: (g.token_ids, g.finish_reason, g.meter.summary(), g.fidelity.summary(),
-                         torch.stack(g.step_logits)) for k, g in out.items()})
-    a, b = runs
-    assert a.keys() == b.keys() and len(a) == len(PROMPTS)
-    for key in a:
-        assert a[key][:4] == b[key][:4], key
-        assert torch.equal(a[key][4], b[key][4]), key
+        runs.append(tail_records(model, policy, shrink=True)[0])
+    assert len(runs[0]) == len(TAIL_PROMPTS)
+    assert_same_records(*runs)
 
 
 def test_load_model_packs_bfloat16_only():
@@ -128,6 +121,10 @@ def test_the_tail_probe_multiplies_over_the_packed_product(pair):
     probe = tail.TailProbe(packed)
     assert probe.exact(8, [0, 1, 2, 3], [0, 1, 2, 3])
     assert all(w.is_mkldnn for w, _ in probe._made())
+    stale = copy.deepcopy(packed)
+    with torch.no_grad():
+        stale.lm_head.weight.mul_(1)  # written: its layers multiply by F.linear again, and so does the probe
+    assert {s[-1] for s in tail.linear_shapes(stale) if s[1] == stale.lm_head.out_features} == {False}
 
 
 def test_retention_pack_0_turns_packing_off(monkeypatch):
