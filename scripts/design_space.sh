@@ -28,9 +28,16 @@ arm merge-128 "${tri[@]}" --budget 128 --state merge                            
 arm newline-128 "${tri[@]}" --budget 128 --cadence newline                      # cadence
 arm loop-guard-128 "${tri[@]}" --budget 128 --decoding loop-guard               # decoding
 arm full --scorer full                                                          # the reference
-# The iso-cache diagnostic (the same arms under `prefill` accounting): run only when named in ARMS.
+# The iso-cache diagnostic (the same arms under `prefill` accounting, where b is B itself and the mean
+# cache is larger): run only when named in ARMS (scripts/design_space_prefill.sh names them all).
 if [ -n "${ARMS:-}" ]; then
-  arm triattention-128-prefill "${tri[@]}" --budget 128 --accounting prefill
-  arm alpha-128-prefill --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity --budget 128 --accounting prefill
-  arm pyramidkv-128-prefill "${tri[@]}" --budget 128 --routing pyramidkv --accounting prefill
+  pre=(--budget 128 --accounting prefill)
+  arm triattention-128-prefill "${tri[@]}" "${pre[@]}"
+  arm alpha-128-prefill --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity "${pre[@]}"
+  arm pyramidkv-128-prefill "${tri[@]}" "${pre[@]}" --routing pyramidkv
+  arm adakv-128-prefill "${tri[@]}" "${pre[@]}" --routing adakv
+  arm merge-128-prefill "${tri[@]}" "${pre[@]}" --state merge
+  arm newline-128-prefill "${tri[@]}" "${pre[@]}" --cadence newline
+  arm loop-guard-128-prefill "${tri[@]}" "${pre[@]}" --decoding loop-guard
+  arm quant-int8-same-bytes-prefill "${tri[@]}" --budget-bytes "$KIB" --accounting prefill --state quant --param quant.keys=token
 fi
