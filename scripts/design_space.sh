@@ -31,7 +31,9 @@ arm full --scorer full                                                          
 # The iso-cache diagnostic (the same arms under `prefill` accounting, where b is B itself and the mean
 # cache is larger): run only when named in ARMS (scripts/design_space_prefill.sh names them all).
 if [ -n "${ARMS:-}" ]; then
-  pre=(--budget 128 --accounting prefill)
+  # The arms above ran before sampling moved to inverse CDF (their configurations have no `sampler`):
+  # draw as they did, so that an arm and its iso-cache twin differ in the accounting alone.
+  pre=(--budget 128 --accounting prefill --sampler multinomial)
   arm triattention-128-prefill "${tri[@]}" "${pre[@]}"
   arm alpha-128-prefill --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity "${pre[@]}"
   arm pyramidkv-128-prefill "${tri[@]}" "${pre[@]}" --routing pyramidkv
@@ -39,5 +41,5 @@ if [ -n "${ARMS:-}" ]; then
   arm merge-128-prefill "${tri[@]}" "${pre[@]}" --state merge
   arm newline-128-prefill "${tri[@]}" "${pre[@]}" --cadence newline
   arm loop-guard-128-prefill "${tri[@]}" "${pre[@]}" --decoding loop-guard
-  arm quant-int8-same-bytes-prefill "${tri[@]}" --budget-bytes "$KIB" --accounting prefill --state quant --param quant.keys=token
+  arm quant-int8-same-bytes-prefill "${tri[@]}" --budget-bytes "$KIB" --accounting prefill --sampler multinomial --state quant --param quant.keys=token
 fi
