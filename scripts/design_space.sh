@@ -33,13 +33,13 @@ arm full --scorer full                                                          
 if [ -n "${ARMS:-}" ]; then
   # The arms above ran before sampling moved to inverse CDF (their configurations have no `sampler`):
   # draw as they did, so that an arm and its iso-cache twin differ in the accounting alone.
-  pre=(--budget 128 --accounting prefill --sampler multinomial)
-  arm triattention-128-prefill "${tri[@]}" "${pre[@]}"
-  arm alpha-128-prefill --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity "${pre[@]}"
-  arm pyramidkv-128-prefill "${tri[@]}" "${pre[@]}" --routing pyramidkv
-  arm adakv-128-prefill "${tri[@]}" "${pre[@]}" --routing adakv
-  arm merge-128-prefill "${tri[@]}" "${pre[@]}" --state merge
-  arm newline-128-prefill "${tri[@]}" "${pre[@]}" --cadence newline
-  arm loop-guard-128-prefill "${tri[@]}" "${pre[@]}" --decoding loop-guard
-  arm quant-int8-same-bytes-prefill "${tri[@]}" --budget-bytes "$KIB" --accounting prefill --sampler multinomial --state quant --param quant.keys=token
+  pre=(--accounting prefill --sampler multinomial)
+  arm triattention-128-prefill "${tri[@]}" "${pre[@]}" --budget 128
+  arm alpha-128-prefill --scorer alpha --lambda 0.5 --stats "$STATS" --fidelity "${pre[@]}" --budget 128
+  arm pyramidkv-128-prefill "${tri[@]}" "${pre[@]}" --budget 128 --routing pyramidkv
+  arm adakv-128-prefill "${tri[@]}" "${pre[@]}" --budget 128 --routing adakv
+  arm merge-128-prefill "${tri[@]}" "${pre[@]}" --budget 128 --state merge
+  arm newline-128-prefill "${tri[@]}" "${pre[@]}" --budget 128 --cadence newline
+  arm loop-guard-128-prefill "${tri[@]}" "${pre[@]}" --budget 128 --decoding loop-guard
+  arm quant-int8-same-bytes-prefill "${tri[@]}" "${pre[@]}" --budget-bytes "$KIB" --state quant --param quant.keys=token
 fi

@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from protocol import grading
-from protocol.data import load_problems
+from tests.test_committed_dev_runs import _records as run_records
+from tests.test_committed_dev_runs import regraded
 
 FOLDER = Path(__file__).resolve().parent.parent / "results" / "design-space-qwen0.5b"
 N = 64
 BASELINE = ("triattention", None, None, None, None)
+MECHANISMS = ("scoring", "routing", "state", "cadence", "decoding")  # the order of an arm's tuple below
 # README label: (family, (scorer, routing, state, cadence, decoding))
 ARMS = {
     "alpha": ("scoring", ("alpha", None, None, None, None)),
@@ -54,20 +55,16 @@ def _runs() -> dict[tuple, Path]:
 
 @cache
 def _records(mechs: tuple, accounting: str) -> tuple[dict, ...]:
-    lines = (_runs()[mechs, accounting] / "records.jsonl").read_text().splitlines()
-    return tuple(json.loads(line) for line in lines if line.strip())
+    return tuple(run_records(_runs()[mechs, accounting]))
 
 
 @cache
 def _correct(mechs: tuple, accounting: str) -> dict[tuple, bool]:
     """Each record's verdict re-graded from its text (and checked against the recorded one)."""
-    problems = {p.unique_id: p.problem for p in load_problems()}
-    out = {}
-    for r in _records(mechs, accounting):
-        ok = grading.grade(r["text"], r["gold"], problem=problems[r["problem_id"]]).verdict is True
-        assert ok == (r["verdict"] is True), (r["problem_id"], mechs, accounting)
-        out[r["problem_id"], r["sample"]] = ok
-    return out
+    recs = _records(mechs, accounting)
+    verdicts = regraded(recs)
+    assert verdicts == [r["verdict"] is True for r in recs], (mechs, accounting)
+    return {(r["problem_id"], r["sample"]): ok for r, ok in zip(recs, verdicts)}
 
 
 def _mean(mechs: tuple, accounting: str, field: str) -> float:
@@ -134,10 +131,8 @@ def test_readme_row_is_its_records(label):
 
 @pytest.mark.parametrize("label", sorted(ARMS))
 def test_csv_ci_and_p_agree_with_an_independent_bootstrap(label):
-    _family, mechs = ARMS[label]
-    mechanism = {"scoring": f"scoring={mechs[0]}", "routing": f"routing={mechs[1]}", "state": f"state={mechs[2]}",
-                 "cadence": f"cadence={mechs[3]}", "decoding": f"decoding={mechs[4]}"}[ARMS[label][0]]
-    row = _csv_rows()[mechanism]
+    family, mechs = ARMS[label]
+    row = _csv_rows()[f"{family}={mechs[MECHANISMS.index(family)]}"]
     for accounting, p_col in (("mean", "p_bootstrap"), ("prefill", "iso_prefill_p")):
         d = _diffs(mechs, accounting)
         rng = np.random.default_rng(1)

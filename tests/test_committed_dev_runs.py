@@ -25,6 +25,12 @@ def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines() if line.strip()]
 
 
+def regraded(recs: list[dict]) -> list[bool]:
+    """Each record's verdict graded again from its text and its problem (not read from the record)."""
+    problems = {p.unique_id: p.problem for p in load_problems()}
+    return [grading.grade(r["text"], r["gold"], problem=problems[r["problem_id"]]).verdict is True for r in recs]
+
+
 def _generated(log: str) -> re.Match:
     """The `generated N output tokens in S s: X tok/s` line `retention run` printed into `log`."""
     m = re.search(r"generated (\d+) output tokens in ([0-9.]+) s: ([0-9.]+) tok/s", log)
@@ -53,9 +59,8 @@ def test_dev_1p5b_table_is_its_records(arm):
     label, correct, cache, trunc, out = DEV_1P5B[arm]
     recs = _records(_run(folder, f"qwen2.5-coder-1.5b-{arm}-"))
     assert len(recs) == 64 and len({(r["problem_id"], r["sample"]) for r in recs}) == 64
-    problems = {p.unique_id: p.problem for p in load_problems()}
-    regraded = [grading.grade(r["text"], r["gold"], problem=problems[r["problem_id"]]).verdict is True for r in recs]
-    assert regraded == [r["verdict"] is True for r in recs] and sum(regraded) == correct
+    verdicts = regraded(recs)
+    assert verdicts == [r["verdict"] is True for r in recs] and sum(verdicts) == correct
     assert round(sum(r["cache_mean_tokens"] for r in recs) / 64, 1) == cache
     assert round(100 * sum(r["finish_reason"] == "length" for r in recs) / 64) == trunc
     assert round(sum(r["output_tokens"] for r in recs) / 64) == out
