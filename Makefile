@@ -37,7 +37,7 @@ install-real-models: install
 
 # The main job on the real 0.5B model (16 dev problems, 768 greedy tokens, budget 128), sized to end
 # within RUN_SECONDS of `make` starting (set-up included): on a slower host `retention size` measures
-# a decode step after calibrating and runs fewer problems, saying so (README, "Set-up").
+# a decode step after calibrating and runs fewer problems, saying so (docs/set-up.md).
 MAKE_START := $(shell date +%s)
 RUN_SECONDS ?= 600
 run: REAL_MODELS = 0.5b

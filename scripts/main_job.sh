@@ -15,7 +15,7 @@
 # problem count and token limit, at most PROBLEMS and TOKENS, predicted to finish before it (the
 # terminal and the report say so); when even the smallest job does not fit, it drops the fidelity proxy.
 # SmolLM2-135M cannot solve MATH problems (accuracy ~0 for every arm; the fidelity columns are what it
-# measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see the README (GPU section).
+# measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see docs/gpu.md.
 set -euo pipefail
 RETENTION=${1:-retention}
 OUT=${2:-results/demo}

@@ -141,7 +141,7 @@ def test_confirm_refuses_a_repeat_registered_elsewhere(tmp_path, monkeypatch):
 
 
 def test_copied_plan_with_a_fresh_registry_is_not_detectable_by_design(tmp_path, monkeypatch):
-    """The threat model (README): a user who points RETENTION_STATE_DIR at an empty folder (or
+    """The threat model (docs/walkthrough.md): a user who points RETENTION_STATE_DIR at an empty folder (or
     deletes the registry) can confirm again; only the same registry refuses."""
     state = ledger.state_dir()
     path, h = _confirm_first(tmp_path)
@@ -155,7 +155,7 @@ def test_copied_plan_with_a_fresh_registry_is_not_detectable_by_design(tmp_path,
     with pytest.raises(ProtocolError, match="already confirmed"):  # that registry now refuses too
         prereg.write_plan(new_plan(seed=1), tmp_path / "plans2")
     # ... and a plan re-registered with another seed in yet another empty registry confirms; the
-    # original registry does not count its runs as confirmed (README: "only detectable")
+    # original registry does not count its runs as confirmed (docs/walkthrough.md: "only detectable")
     monkeypatch.setenv(ledger.STATE_ENV, str(tmp_path / "fresh2"))
     path2, h2, _ = prereg.write_plan(new_plan(seed=1), tmp_path / "plans2")
     run_confirm(path2, tmp_path / "d", FakeRunner(), cells=[CELL])

@@ -79,7 +79,7 @@ def test_report_of_a_cell_whose_record_was_deleted_is_unconfirmed(tmp_path):
 
 def test_report_of_a_cell_whose_whole_cell_folder_was_wiped_is_unconfirmed(tmp_path):
     """Deleting every cell record and the index (a partial registry wipe) lets another plan
-    through (README: only detectable); the report of the first confirmation detects it."""
+    through (docs/walkthrough.md: only detectable); the report of the first confirmation detects it."""
     path, h = _confirmed(tmp_path)
     cells = ledger.Registry().root / "cells"
     for p in cells.iterdir():

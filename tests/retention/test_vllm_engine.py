@@ -300,7 +300,7 @@ def test_vllm_cpu_on_smollm2_writes_records_report_reads(tmp_path, dtype):
     reads (against the same run on this project's engine), and the cross-engine agreement. In
     float32 every pair must be identical: a difference in prompt, template, stop tokens or
     sampling settings would part the engines there too; in bfloat16 they part at near-tied
-    logits (README, "vLLM for the `full` arm"), so the figure is printed, not asserted."""
+    logits (docs/vllm.md), so the figure is printed, not asserted."""
     pytest.importorskip("vllm")
     args = ["run", "--model", "smollm2-135m", "--dtype", dtype, "--scorer", "full", "--limit", "8",
             "--max-new-tokens", "64", "--temperature", "0", "--quiet"]
