@@ -59,7 +59,7 @@ test: install
 # Opt-in: the Ray launcher's tests on a local cluster (ray is an optional extra).
 test-ray: install
 	$(BIN)/pip install -q -e '.[ray,test]'
-	$(BIN)/python -m pytest -q tests/retention/test_ray.py
+	$(BIN)/python -m pytest -q tests/retention/runs/scale/test_ray.py
 
 # Opt-in: vLLM in its own environment (.venv-vllm), because vllm pins torch and transformers.
 VLLM_VENV ?= .venv-vllm
@@ -82,7 +82,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: install $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} RETENTION_TEST_VLLM=1 RETENTION_HF_PYTHON=$(BIN)/python \
 		RETENTION_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
-		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/test_vllm_engine.py tests/retention/test_engine_bench.py
+		$(VLLM_VENV)/bin/python -m pytest -q -s tests/retention/runs/engines/test_vllm.py tests/retention/runs/test_engine_bench.py
 
 # This project's engine against vLLM (`retention bench --engine hf,vllm`): full-cache decode of both on the
 # same prompts, dtype and thread count, batch 1, 16 and 64, context 256, 256 new tokens, bf16 and float32,

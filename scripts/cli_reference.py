@@ -1,6 +1,6 @@
 """Write docs/cli.md from the click help of every `retention` command (run after changing options).
 
-`tests/test_cli_reference.py` fails when docs/cli.md differs from what this renders.
+`tests/docs/test_cli_reference.py` fails when docs/cli.md differs from what this renders.
 """
 
 from pathlib import Path
