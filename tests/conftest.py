@@ -8,6 +8,7 @@ and CLI tests running `retention` in a subprocess find the same cache.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -51,3 +52,80 @@ def _clean_tree(monkeypatch):
     from retention.cli import protocol_cmds
 
     monkeypatch.setattr(protocol_cmds, "tree_is_dirty", lambda: False)
+
+
+# The slow tier, in one place: `make test-fast` (`pytest -m "not slow"`) leaves these out, `make test`
+# runs them. A module listed here is slow as a whole (end-to-end runs, subprocess-heavy command-line
+# runs, real models); a `path::test` entry marks one test (every parametrisation of it); every test
+# that uses the `smollm` fixture is slow too.
+# Paths are relative to tests/. Tests may also mark themselves with @pytest.mark.slow.
+# Measured: tests of at least 1.5 CPU seconds (process and waited-for children) on 2026-12-07, per
+# test on a shared 2-core host. Estimated, not measured (the shared host was too busy to time every
+# module): modules whose tests decode whole runs per scorer or layout or drive several CLI runs.
+SLOW_MODULES: frozenset[str] = frozenset({
+    # measured
+    "retention/cli/test_run_batched.py",
+    "retention/cli/test_trace_runs.py",
+    "retention/runtime/test_engine.py",
+    # estimated
+    "acceptance/test_aime_confirm.py",
+    "acceptance/test_end_to_end.py",
+    "acceptance/test_study_acceptance.py",
+    "retention/models/arch/test_bench.py",
+    "retention/models/arch/test_deepseek.py",
+    "retention/models/arch/test_layout_engine.py",
+    "retention/models/arch/test_run.py",
+    "retention/runs/engines/test_vllm.py",
+    "retention/runs/scale/test_merge.py",
+    "retention/runs/test_aime_run.py",
+    "retention/runs/test_engine_bench.py",
+    "retention/runs/test_reproduce.py",
+    "retention/runs/test_sizing.py",
+    "retention/runtime/test_batch_composition.py",
+    "retention/runtime/test_mechanisms.py",
+    "retention/runtime/test_tail.py",
+    "retention/runtime/test_trace.py",
+    "retention/scorers/test_latent_run.py",
+    "retention/test_golden_records.py",
+    "retention/test_plugin_layouts.py",
+    "retention/test_plugins.py",
+    "retention/test_plugins_example.py",
+})
+SLOW_TESTS: frozenset[str] = frozenset({
+    # measured (protocol: by wall time on the busy host, 5 s and more)
+    "protocol/test_cell_registry.py::test_cli_repeat_with_seed_refused_then_superseded",
+    "protocol/test_cell_registry.py::test_concurrent_writers_keep_the_cell_chain_valid",
+    "protocol/test_confirm_integrity.py::test_confirm_killed_at_every_write_point_recovers",
+    "protocol/test_report_study.py::test_report_counts_what_it_writes_and_keeps_stderr_clean",
+    "retention/cli/test_inputs_run_refused.py::test_offline_hub_fails_in_one_line_at_once",
+    "retention/cli/test_inputs_run_refused.py::test_run_refuses_before_writing_anything",
+    "retention/cli/test_run.py::test_resume_after_crash_equals_uninterrupted",
+    "retention/cli/test_run.py::test_run_writes_config_and_records",
+    "retention/contract/test_checks.py::test_builtin_scorers_pass",
+    "retention/runtime/test_allocation.py::test_a_wide_window_leaves_kvpress_pyramid_flat",
+    "retention/runtime/test_allocation.py::test_allocations_are_batch_invariant_and_hold_the_mean",
+    "retention/runtime/test_allocation.py::test_allocations_make_ragged_rows",
+    "retention/runtime/test_allocation.py::test_cli_run_with_pyramidkv",
+    "retention/runtime/test_allocation.py::test_trivial_members_decode_exactly_what_native_does",
+    "retention/scorers/test_alpha.py::test_alpha_lambda_zero_equals_triattention_tiny",
+    "retention/scorers/test_alpha.py::test_signature_invariant_during_generation",
+    "retention/scorers/test_calibration_latent.py::test_statistics_equal_direct_computation",
+    "retention/scorers/test_in_generation.py::test_exact_vs_dynamic_cache_when_budget_exceeds_sequence",
+    "retention/scorers/test_in_generation.py::test_meter_bounds_and_physical_eviction",
+    # estimated: each runs the contract kit on a deliberately broken scorer
+    "retention/contract/test_checks.py::test_broken_scorers_fail_the_right_check",
+    "retention/contract/test_checks.py::test_batch_dependent_is_still_deterministic",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parent
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if not path.is_relative_to(root):
+            continue
+        rel = path.relative_to(root).as_posix()
+        name = item.nodeid.split("::", 1)[1].split("[", 1)[0]  # Class::test or test, without parameters
+        # SmolLM2-135M is a real model, not a tiny one: its tests belong to the whole suite
+        if rel in SLOW_MODULES or f"{rel}::{name}" in SLOW_TESTS or "smollm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
