@@ -1,0 +1,117 @@
+"""An answer must answer: a final that restates an expression of the problem earns no credit.
+
+``Evaluate \\[\\sin (\\arcsin 0.4 + \\arcsin 0.5) \\cdot \\sin (\\arcsin 0.5 - \\arcsin 0.4).\\]``
+answered with that same expression is equal in value to the reference ``\\frac{9}{100}``, so the
+equivalence judge credits it; but it evaluates nothing. `restates(answer, gold, problem)` says when
+an answer is such a copy. Pure string work (no sympy), run in the grading parent before an answer
+is shipped to a worker.
+
+An answer restates the problem when all of these hold:
+
+* its *shape* (`shape`: the canonical LaTeX without spaces, brackets, ``\\left``/``\\right``, with
+  one spelling for products, and with a leading ``x =`` or a trailing ``= ?`` dropped) is the shape
+  of a math span of the problem, or of one side of an equation in it;
+* it is not in the reference's own form (its shape differs from the reference's shape): where the
+  problem's expression already *is* the answer (the reference itself is written in the problem),
+  giving it is answering;
+* it is not already a value (`settled`): a number, a fraction in lowest terms, a lone symbol or
+  constant, a square root of a square-free integer; such a form cannot be evaluated further, so
+  a problem that mentions it as a given does not make it a copy;
+* the problem does not ask to choose among expressions it lists (`chooses`: lettered options,
+  "which of the following", "which is larger"): choosing one is an answer.
+
+Only answers the judge finds equal in value are affected (a wrong answer is wrong anyway), so a
+false match can only cost credit to an answer that copies an expression of the problem in a form
+other than the reference's. docs/grading.md states the rule and its limits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from protocol.grading.canonical import canonical
+from protocol.grading.normalize import split_top
+from protocol.grading.spans import math_spans
+
+__all__ = ["restates", "shape", "task_shapes", "settled", "chooses"]
+
+_BRACKETS = re.compile(r"[()\[\]]|\\[{}]")
+_PRODUCT = re.compile(r"\\(?:times|cdot|ast)(?![a-zA-Z])|\*")
+_SINGLE_SCRIPT = re.compile(r"([_^])\{([^{}\\])\}")
+_LEAD_NAME = re.compile(r"^(?:[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?|\\[a-zA-Z]+|[a-zA-Z]\([a-z]\))=(?!=)")
+_ASKED = re.compile(r"=\?*$|=\\?\?$")
+_TRAILING = re.compile(r"[.,;:?!]+$")
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_FRACTION = re.compile(r"-?\\frac\{(\d+)\}\{(\d+)\}")
+_ROOT = re.compile(r"-?(\d*)\\sqrt\{(\d+)\}")
+_ATOM = re.compile(r"-?\d*(?:\\pi|\\infty|[a-zA-Z]|\\frac\{\\pi\}\{\d+\}|\\frac\{\d*\\pi\}\{\d+\})")
+
+_CHOICE = re.compile(r"(?i)\bwhich\s+(?:of|one|is|number|expression|value|option)\b|\benter\s+the\s+letter|"
+                     r"\bwhich\s+(?:is\s+)?(?:the\s+)?(?:larger|largest|smaller|smallest|greater|greatest|"
+                     r"least|bigger|biggest)\b")
+_OPTION_LABEL = re.compile(r"\(\s*[A-E]\s*\)|\\text(?:bf)?\{\s*\(?[A-E]\)")
+
+#: Problems longer than this are not scanned (a MATH problem is a few hundred characters).
+PROBLEM_MAX_CHARS = 20_000
+
+
+def shape(s: str) -> str:
+    """The spelling-free form of an expression: canonical LaTeX, no spaces, no brackets, one
+    product sign, ``^{2}`` as ``^2``, no leading ``x =`` and no trailing ``= ?``."""
+    s = canonical(s)
+    s = re.sub(r"\s+", "", s)
+    s = _TRAILING.sub("", s)
+    s = _ASKED.sub("", s)
+    s = _PRODUCT.sub("\\\\cdot", s)
+    s = _SINGLE_SCRIPT.sub(r"\1\2", s)
+    s = _LEAD_NAME.sub("", s)
+    return _BRACKETS.sub("", s)
+
+
+def _squarefree(n: int) -> bool:
+    return n > 0 and all(n % (k * k) for k in range(2, math.isqrt(n) + 1))
+
+
+def settled(s: str) -> bool:
+    """True when the shape `s` is already a value: nothing in it is left to evaluate."""
+    if _NUMBER.fullmatch(s) or _ATOM.fullmatch(s):
+        return True
+    m = _FRACTION.fullmatch(s)
+    if m:
+        return int(m.group(2)) != 0 and math.gcd(int(m.group(1)), int(m.group(2))) == 1
+    m = _ROOT.fullmatch(s)
+    return bool(m) and len(m.group(2)) < 12 and _squarefree(int(m.group(2)))
+
+
+def chooses(problem: str) -> bool:
+    """True when the problem asks to choose among expressions it lists."""
+    return bool(_CHOICE.search(problem)) or len(set(_OPTION_LABEL.findall(problem))) >= 2
+
+
+def task_shapes(problem: str) -> set[str]:
+    """The shapes of the problem's math spans and of each side of an equation in one."""
+    out = set()
+    for _, _, content in math_spans(problem[:PROBLEM_MAX_CHARS]):
+        for part in (content, *split_top(content, ("=",))):
+            key = shape(part)
+            if key:
+                out.add(key)
+    return out
+
+
+def _last_side(answer: str) -> str:
+    """`\\sqrt{242} = 11\\sqrt{2}` states the value on its last side; that side is the answer."""
+    sides = split_top(answer, ("=",))
+    return sides[-1] if len(sides) > 1 and sides[-1].strip() else answer
+
+
+def restates(answer: str, gold: str, problem: str | None) -> bool:
+    """True when `answer` copies an expression of `problem` instead of answering it (module doc)."""
+    if not problem or not isinstance(problem, str) or chooses(problem):
+        return False
+    key = shape(_last_side(answer))
+    if not key or settled(key) or key == shape(_last_side(gold)):
+        return False
+    return key in task_shapes(problem)
