@@ -176,11 +176,15 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
         seen.add(key)
     ungraded = [r for r in records if "verdict" not in r]
     if ungraded:
-        grade = grade or grading.grade
         for rec in ungraded:
             text, gold = rec.get("text"), rec.get("gold")
             # No text (a failed generation) or no gold answer cannot be right: null = wrong.
-            g = grade(text, gold) if text is not None and gold is not None else None
+            if text is None or gold is None:
+                g = None
+            elif grade is None:  # the default grader reads the finish reason: cut off = marked final only
+                g = grading.grade(text, gold, finish_reason=rec.get("finish_reason"))
+            else:
+                g = grade(text, gold)
             rec["verdict"] = None if g is None else g.verdict
             if g is not None:
                 rec.setdefault("extracted", g.extracted)

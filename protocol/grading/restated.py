@@ -9,7 +9,7 @@ is shipped to a worker.
 An answer restates the problem when all of these hold:
 
 * its *shape* (`shape`: the canonical LaTeX without spaces, brackets, ``\\left``/``\\right``, with
-  one spelling for products, and with a leading ``x =`` or a trailing ``= ?`` dropped) is the shape
+  one spelling for products and binomials, and with a leading ``x =`` or a trailing ``= ?`` dropped) is the shape
   of a math span of the problem, or of one side of an equation in it;
 * it is not in the reference's own form (its shape differs from the reference's shape): where the
   problem's expression already *is* the answer (the reference itself is written in the problem),
@@ -37,6 +37,7 @@ from protocol.grading.spans import math_spans
 __all__ = ["restates", "shape", "task_shapes", "settled", "chooses"]
 
 _BRACKETS = re.compile(r"[()\[\]]|\\[{}]")
+_BINOM = re.compile(r"\\[dt]binom(?![a-zA-Z])")
 _PRODUCT = re.compile(r"\\(?:times|cdot|ast)(?![a-zA-Z])|\*")
 _SINGLE_SCRIPT = re.compile(r"([_^])\{([^{}\\])\}")
 _LEAD_NAME = re.compile(r"^(?:[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?|\\[a-zA-Z]+|[a-zA-Z]\([a-z]\))=(?!=)")
@@ -65,6 +66,7 @@ def shape(s: str) -> str:
     s = _TRAILING.sub("", s)
     s = _ASKED.sub("", s)
     s = _PRODUCT.sub("\\\\cdot", s)
+    s = _BINOM.sub("\\\\binom", s)
     s = _SINGLE_SCRIPT.sub(r"\1\2", s)
     s = _LEAD_NAME.sub("", s)
     return _BRACKETS.sub("", s)

@@ -319,8 +319,12 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
     if trace is not None:
         record.update(prompt_evicted_step=trace.prompt_evicted_step, prompt_held_final=trace.prompt_held_final)
     if grader is not None and gold is not None:
-        gr = grader(text, gold, problem=problem)  # the problem text lists a multiple-choice problem's options
+        # the problem text lists a multiple-choice problem's options and the expressions an answer
+        # must not merely restate; a cut-off output ("length") is graded on a marked final only
+        gr = grader(text, gold, problem=problem, finish_reason=finish_reason)
         record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
+        if gr.restated:
+            record["restated"] = True
     else:
         record.update(extracted=None, verdict=None, reason=None, rule=None)
     return record
