@@ -20,8 +20,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from protocol.grading import mathverify
@@ -33,9 +35,21 @@ from protocol.grading.spans import box_answer
 from protocol.grading.worker import close_default_pool, default_pool
 
 __all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final",
-           "extract_answer", "close_workers", "REASONS", "RULES"]
+           "extract_answer", "close_workers", "REASONS", "RULES", "GRADER_VERSION"]
 
 REASONS = ("no_answer", "timeout", "unparsable")
+
+
+def _source_digest() -> str:
+    """sha256 of this package's sources (file names and bytes, in name order): the grader's version."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+#: The grader's version as records note it: a stored verdict is re-graded under it (`report`).
+GRADER_VERSION = _source_digest()
 
 
 @dataclass(frozen=True)

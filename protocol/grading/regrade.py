@@ -7,7 +7,8 @@ Every record with `text` and `gold` is graded again, with its problem's text (lo
 an answer must not merely restate) and its `finish_reason` (a "length" record is graded on a
 marked final only). Each changed
 verdict is printed as ``RUN PROBLEM_ID sample S: OLD -> NEW (extracted ...)``; with `--write`, the
-changed records get the new `extracted`/`verdict`/`reason`/`rule`/`other_answers` and every other
+changed records get the new `extracted`/`verdict`/`reason`/`rule`/`other_answers`/`restated` and
+the `grader_version` that gave them, and every other
 line of the file stays byte for byte as it was (the file is replaced atomically). Without
 `--write` nothing is written. Reports read the stored verdicts, so regenerate them afterwards.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.errors import ProtocolError
-from protocol.grading import grade_many
+from protocol.grading import GRADER_VERSION, grade_many
 from protocol.io import dumps, loads, read_text, write_atomic
 from protocol.runs import find_run_dirs
 from protocol.shards import record_files
@@ -73,7 +74,7 @@ def regrade_file(path: Path, problems: dict, write: bool, timeout: float = 5.0,
                                   rec.get("verdict"), g.verdict, g.extracted))
         rec.pop("other_answers", None)
         rec.pop("restated", None)
-        rec.update(new)
+        rec.update(new, grader_version=GRADER_VERSION)
         lines[n] = dumps(rec) + "\n"
         touched = True
     if write and touched:

@@ -325,7 +325,8 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
         # the problem text lists a multiple-choice problem's options and the expressions an answer
         # must not merely restate; a cut-off output ("length") is graded on a marked final only
         gr = grader(text, gold, problem=problem, finish_reason=finish_reason)
-        record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
+        record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule,
+                      grader_version=grading.GRADER_VERSION)
         if gr.restated:
             record["restated"] = True
     else:
