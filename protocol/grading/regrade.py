@@ -6,7 +6,7 @@ Every record with `text` and `gold` is graded again, with its problem's text (lo
 `problem_id` in the MATH-500 copy: it lists a multiple-choice problem's options and the expressions
 an answer must not merely restate) and its `finish_reason` (a "length" record is graded on a
 marked final only). Each changed
-verdict is printed as ``RUN PROBLEM_ID sample S: OLD -> NEW (extracted ...)``; with `--write`, the
+verdict is printed as ``RUN_DIR PROBLEM_ID sample S: OLD -> NEW (extracted ...)``; with `--write`, the
 changed records get the new `extracted`/`verdict`/`reason`/`rule`/`other_answers`/`restated` and
 the `grader_version` that gave them, and every other
 line of the file stays byte for byte as it was (the file is replaced atomically). Without
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for c in changes:
-        print(f"{c.path.parent.name} {c.problem_id} sample {c.sample}: {c.old} -> {c.new} "
+        print(f"{c.path.parent} {c.problem_id} sample {c.sample}: {c.old} -> {c.new} "
               f"(extracted {c.extracted!r})")
     verb = "written" if args.write else "not written (use --write)"
     print(f"{files} record files, {len(changes)} changed verdicts, {verb}")
