@@ -44,10 +44,9 @@ _LEAD_NAME = re.compile(r"^(?:[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?|\\[a-zA-Z]+|[a-zA
 _ASKED = re.compile(r"=\?*$|=\\?\?$")
 _TRAILING = re.compile(r"[.,;:?!]+$")
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_FRACTION = re.compile(r"-?\\frac\{(\d+)\}\{(\d+)\}")
-_ROOT = re.compile(r"-?(\d*)\\sqrt\{(\d+)\}")
-_ATOM = re.compile(r"-?\d*(?:\\pi|\\infty|[a-zA-Z]|\\frac\{\\pi\}\{\d+\}|\\frac\{\d*\\pi\}\{\d+\})")
+#: One term of a value: a number, times a square root, pi or a letter (`3`, `0.5`, `2\\sqrt{3}`, `\\pi`, `4x`).
+_TERM = re.compile(r"(\d+(?:\.\d+)?)?(\\sqrt\{(\d{1,11})\}|\\pi|\\infty|[a-zA-Z])?")
+_FRACTION = re.compile(r"\\frac\{([^{}]*(?:\{\d+\}[^{}]*)*)\}\{(\d+)\}")
 
 _CHOICE = re.compile(r"(?i)\bwhich\s+(?:of|one|is|number|expression|value|option)\b|\benter\s+the\s+letter|"
                      r"\bwhich\s+(?:is\s+)?(?:the\s+)?(?:larger|largest|smaller|smallest|greater|greatest|"
@@ -76,15 +75,43 @@ def _squarefree(n: int) -> bool:
     return n > 0 and all(n % (k * k) for k in range(2, math.isqrt(n) + 1))
 
 
+def _terms(s: str) -> list[str]:
+    """`s` split at its top-level signs (`2+\\sqrt{3}` -> ["2", "\\sqrt{3}"]); a leading sign dropped."""
+    out, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        depth += (c == "{") - (c == "}")
+        if c in "+-" and depth == 0 and i > start:
+            out.append(s[start:i])
+            start = i + 1
+        elif c in "+-" and depth == 0:
+            start = i + 1
+    out.append(s[start:])
+    return out
+
+
+def _kinds(s: str) -> list[tuple[str, int]] | None:
+    """(kind, integer coefficient) per term when every term is a simplified monomial, else None."""
+    out = []
+    for term in _terms(s):
+        m = _TERM.fullmatch(term)
+        if not term or m is None or (m.group(3) and not _squarefree(int(m.group(3)))):
+            return None
+        coef = m.group(1) or "1"
+        out.append((m.group(2) or "1", int(coef) if coef.isdigit() else 1))
+    return out
+
+
 def settled(s: str) -> bool:
-    """True when the shape `s` is already a value: nothing in it is left to evaluate."""
-    if _NUMBER.fullmatch(s) or _ATOM.fullmatch(s):
-        return True
-    m = _FRACTION.fullmatch(s)
-    if m:
-        return int(m.group(2)) != 0 and math.gcd(int(m.group(1)), int(m.group(2))) == 1
-    m = _ROOT.fullmatch(s)
-    return bool(m) and len(m.group(2)) < 12 and _squarefree(int(m.group(2)))
+    """True when the shape `s` is already a value: nothing in it is left to evaluate. A value is a
+    sum of terms of distinct kinds (a number, `k\\sqrt{m}` with m square-free, `k\\pi`, `kx`:
+    `2+\\sqrt{3}`, `x+1`, `-5`, `0.09`), or such a sum over an integer sharing no factor with its
+    integer coefficients (`\\frac{9}{100}`, `\\frac{\\sqrt{2}}{2}`, `\\frac{\\pi}{7}`)."""
+    m = _FRACTION.fullmatch(s.lstrip("-"))
+    top, den = (m.group(1), int(m.group(2))) if m else (s, 1)
+    kinds = _kinds(top)
+    if not kinds or den == 0 or len({k for k, _ in kinds}) < len(kinds):
+        return False
+    return math.gcd(den, *(c for _, c in kinds)) == 1 or den == 1
 
 
 def chooses(problem: str) -> bool:
