@@ -8,15 +8,18 @@ is shipped to a worker.
 
 An answer restates the problem when all of these hold:
 
-* its *shape* (`shape`: the canonical LaTeX without spaces, brackets, ``\\left``/``\\right``, with
-  one spelling for products and binomials, and with a leading ``x =`` or a trailing ``= ?`` dropped) is the shape
-  of a math span of the problem, or of one side of an equation in it;
+* its *shape* (`shape`: the canonical LaTeX without spaces, brackets, ``\\left``/``\\right``,
+  with one spelling for products and binomials, ``^{2}`` as ``^2``, without a leading ``x =``
+  or a trailing ``= ?``; compared without product signs) is the shape of a math span of the
+  problem, or of one side of an equation in it; of an answer that is an equation, its last side
+  is read (``\\sqrt{242} = 11\\sqrt{2}`` answers ``11\\sqrt{2}``);
 * it is not in the reference's own form (its shape differs from the reference's shape): where the
   problem's expression already *is* the answer (the reference itself is written in the problem),
   giving it is answering;
-* it is not already a value (`settled`): a number, a fraction in lowest terms, a lone symbol or
-  constant, a square root of a square-free integer; such a form cannot be evaluated further, so
-  a problem that mentions it as a given does not make it a copy;
+* it is not already a value (`settled`): a sum of simplified terms of distinct kinds (a number,
+  ``k\\sqrt{m}`` with m square-free, ``k\\pi``, ``kx``), or such a sum over an integer that
+  shares no factor with its coefficients; such a form has nothing left to evaluate, so a problem
+  that mentions it as a given does not make it a copy;
 * the problem does not ask to choose among expressions it lists (`chooses`: lettered options,
   "which of the following", "which is larger"): choosing one is an answer.
 
@@ -119,12 +122,18 @@ def chooses(problem: str) -> bool:
     return bool(_CHOICE.search(problem)) or len(set(_OPTION_LABEL.findall(problem))) >= 2
 
 
+def _unsigned(key: str) -> str:
+    """A shape without its product signs: `\\sin a \\sin b` copies `\\sin a \\cdot \\sin b` too."""
+    return key.replace("\\cdot", "")
+
+
 def task_shapes(problem: str) -> set[str]:
-    """The shapes of the problem's math spans and of each side of an equation in one."""
+    """The shapes of the problem's math spans and of each side of an equation in one, without
+    their product signs (`_unsigned`)."""
     out = set()
     for _, _, content in math_spans(problem[:PROBLEM_MAX_CHARS]):
         for part in (content, *split_top(content, ("=",))):
-            key = shape(part)
+            key = _unsigned(shape(part))
             if key:
                 out.add(key)
     return out
@@ -143,4 +152,5 @@ def restates(answer: str, gold: str, problem: str | None) -> bool:
     key = shape(_last_side(answer))
     if not key or settled(key) or key == shape(_last_side(gold)):
         return False
-    return key in task_shapes(problem)
+    # matched without product signs; whether it is a value was read with them (`2 \\cdot 3` is no `23`)
+    return _unsigned(key) in task_shapes(problem)

@@ -25,6 +25,9 @@ CASES = [
     (P742, "\\frac{9}{100}", "\\sin(\\arcsin 0.4+\\arcsin 0.5)\\times\\sin(\\arcsin 0.5-\\arcsin 0.4)", False),
     (P742, "\\frac{9}{100}", "\\sin\\left(\\arcsin 0.4+\\arcsin 0.5\\right)\\sin\\left(\\arcsin 0.5-\\arcsin 0.4\\right)".replace(
         "\\sin\\left(\\arcsin 0.5", "\\cdot\\sin\\left(\\arcsin 0.5"), False),
+    (P742, "\\frac{9}{100}", "\\sin(\\arcsin(0.4)+\\arcsin(0.5))\\sin(\\arcsin(0.5)-\\arcsin(0.4))", False),
+    ("Compute $2 \\cdot 3 \\cdot 4$.", "24", "2\\times 3\\times 4", False),
+    ("Compute $2 \\cdot 3 \\cdot 4$.", "24", "24", True),
     ("Simplify $\\sqrt{242}$.", "11\\sqrt2", "\\sqrt{242}", False),
     ("Simplify $\\sqrt{242}$.", "11\\sqrt2", "x = \\sqrt{242}", False),
     ("Compute $\\dbinom{31}{28}$.", "4495", "\\binom{31}{28}", False),
