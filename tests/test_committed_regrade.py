@@ -12,6 +12,7 @@ state: every figure recomputed from the records (the grader run here, the bootst
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -119,3 +120,34 @@ def test_traced_prompt_eviction_counts():
         assert sum(r["prompt_evicted_step"] is not None for r in recs) == 15
     text = (RESULTS / "real-signal-qwen0.5b" / "traced" / "README.md").read_text()
     assert "14 of the 16 prompts are longer than" in text
+
+
+def _digest(ids: list[int], spelling: str) -> str:
+    """sha256 of a token sequence (16 hex digits): as `retention reproduce` writes it ("comma":
+    decimal ids joined by commas), or as the engine-pace comparison did ("json": `json.dumps`)."""
+    text = ",".join(str(int(t)) for t in ids) if spelling == "comma" else json.dumps(ids)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("evidence,run,n,spelling", [
+    ("real-signal-qwen0.5b-sampled/reproduce-full.txt",
+     "real-signal-qwen0.5b-sampled/runs/qwen2.5-coder-0.5b-full-full-a75af365b7", 4, "comma"),
+    ("engine-pace-qwen0.5b/rerun-identical.txt",
+     "engine-pace-qwen0.5b/runs/qwen2.5-coder-0.5b-alpha-b128-6564658b5e", 64, "json"),
+])
+def test_identity_claims_are_per_record_comparisons_of_the_committed_records(evidence, run, n, spelling):
+    """Each "identical" line names a committed record whose tokens hash to the digest it shows."""
+    recs = {(r["problem_id"], r["sample"]): r for r in _records(RESULTS / run)}
+    lines = re.findall(r"^(\S+) sample (\d+): identical \((\d+) tokens, sha256 ([0-9a-f]{16})",
+                       (RESULTS / evidence).read_text(), re.M)
+    assert len(lines) == n and len({(p, s) for p, s, _, _ in lines}) == n
+    for pid, sample, length, digest in lines:
+        rec = recs[(pid, int(sample))]
+        assert len(rec["output_token_ids"]) == int(length) and _digest(rec["output_token_ids"], spelling) == digest
+
+
+def test_summary_only_identity_claims_are_said_to_be_summary_only():
+    text = (RESULTS / "engine-pace-qwen0.5b" / "README.md").read_text()
+    for name in ("kept-blocks-identical.txt", "dev-kept-blocks-identical.txt"):
+        assert name in text
+    assert text.count("no\nper-record comparison is committed") + text.count("no per-record comparison is committed") == 2
