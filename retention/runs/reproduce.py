@@ -124,6 +124,7 @@ class Reproduction:
     checks: tuple[RecordCheck, ...]
     host_differs: tuple[str, ...] = ()
     level: str = "tokens"
+    recorded_grader: str | None = None  # the grader version the records note (None: not noted)
 
     @property
     def identical(self) -> bool:
@@ -136,6 +137,9 @@ class Reproduction:
         lines = [f"run {self.run_dir.name}: config_hash {self.config_hash[:12]} rebuilt from config.json",
                  f"model revision {self.model_revision}",
                  f"code: recorded {self.recorded_code}, now {self.current_code} ({same})"]
+        if self.recorded_grader != grading.GRADER_VERSION:
+            lines.append(f"grader: records graded by {self.recorded_grader or 'an unnoted version'}, now "
+                         f"{grading.GRADER_VERSION}: a verdict that differs may be a change of the rules")
         if self.host_differs == ("host",):
             lines.append("host: not recorded (records written before host fingerprints); compared at the level of tokens")
         elif self.host_differs:
@@ -290,4 +294,4 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
                                   field_differences(r, again)))
     differs, level = comparison_level(config, records[0].get("host", meta.get("host")), host_fingerprint())
     return Reproduction(run_dir, meta["config_hash"], loaded.revision, str(meta.get("code_version")),
-                        current_code, tuple(checks), differs, level)
+                        current_code, tuple(checks), differs, level, records[0].get("grader_version"))

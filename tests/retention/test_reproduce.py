@@ -128,6 +128,18 @@ def test_an_edited_verdict_and_meter_are_named_though_the_tokens_match(run_dir, 
     (line1,) = [ln for ln in lines if ln.startswith(head1)]
     assert f"compactions recorded {recs[1]['compactions']}, reproduced {recs[1]['compactions'] - 1}" in line1
     assert lines[-1] == "0 of 2 record(s) identical"
+    assert not any(ln.startswith("grader:") for ln in lines)  # graded by this grader: an edit, not a rule change
+
+    def older(recs):
+        edit(recs)
+        for r in recs:
+            r["grader_version"] = "0123456789abcdef"
+
+    other = tmp_path / "older"
+    other.mkdir()
+    copy2, _ = _copy_run(run_dir, other, older)
+    res = _reproduce(copy2, "--limit", "2")
+    assert "grader: records graded by 0123456789abcdef, now " in res.output
 
 
 def test_records_carry_the_host_and_another_host_is_compared_by_answers(run_dir, tmp_path):
