@@ -12,7 +12,8 @@ An answer restates the problem when all of these hold:
   with one spelling for products and binomials, ``^{2}`` as ``^2``, without a leading ``x =``
   or a trailing ``= ?``; compared without product signs) is the shape of a math span of the
   problem, or of one side of an equation in it; of an answer that is an equation, its last side
-  is read (``\\sqrt{242} = 11\\sqrt{2}`` answers ``11\\sqrt{2}``);
+  is read, and any side that is a value or the reference's form makes it an answer
+  (``\\sqrt{242} = 11\\sqrt{2}``);
 * it is not in the reference's own form (its shape differs from the reference's shape): where the
   problem's expression already *is* the answer (the reference itself is written in the problem),
   giving it is answering;
@@ -139,18 +140,26 @@ def task_shapes(problem: str) -> set[str]:
     return out
 
 
-def _last_side(answer: str) -> str:
-    """`\\sqrt{242} = 11\\sqrt{2}` states the value on its last side; that side is the answer."""
-    sides = split_top(answer, ("=",))
-    return sides[-1] if len(sides) > 1 and sides[-1].strip() else answer
+_NAME = re.compile(r"[a-zA-Z](?:_\{?[a-zA-Z0-9]+\}?)?|[a-zA-Z]\([a-z]\)")
+
+
+def _sides(text: str) -> list[str]:
+    """The sides of an equation (one side for an expression), a leading name (`x =`) dropped."""
+    sides = [p for p in split_top(text, ("=",)) if p.strip()] or [text]
+    if len(sides) > 1 and _NAME.fullmatch(shape(sides[0])):
+        sides = sides[1:]
+    return sides
 
 
 def restates(answer: str, gold: str, problem: str | None) -> bool:
-    """True when `answer` copies an expression of `problem` instead of answering it (module doc)."""
+    """True when `answer` copies an expression of `problem` instead of answering it (module doc).
+    An equation answers when any of its sides is a value or the reference's form
+    (`\\sqrt{242} = 11\\sqrt{2}`, `\\frac{9}{100} = \\sin a \\sin b`); else its last side is read."""
     if not problem or not isinstance(problem, str) or chooses(problem):
         return False
-    key = shape(_last_side(answer))
-    if not key or settled(key) or key == shape(_last_side(gold)):
+    keys = [shape(side) for side in _sides(answer)]
+    ref = shape(_sides(gold)[-1])
+    if any(not key or settled(key) or key == ref for key in keys):
         return False
     # matched without product signs; whether it is a value was read with them (`2 \\cdot 3` is no `23`)
-    return _unsigned(key) in task_shapes(problem)
+    return _unsigned(keys[-1]) in task_shapes(problem)

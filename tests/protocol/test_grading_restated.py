@@ -41,6 +41,8 @@ CASES = [
     (P742, "\\frac{9}{100}", "\\dfrac{9}{100}", True),
     ("Simplify $\\sqrt{242}$.", "11\\sqrt2", "11\\sqrt{2}", True),
     ("Simplify $\\sqrt{242}$.", "11\\sqrt2", "\\sqrt{242} = 11\\sqrt{2}", True),
+    ("Simplify $\\sqrt{242}$.", "11\\sqrt2", "11\\sqrt{2} = \\sqrt{242}", True),
+    (P742, "\\frac{9}{100}", "\\frac{9}{100} = " + EXPR742, True),
     ("Simplify $\\frac{24}{36}$.", "\\frac{2}{3}", "\\frac{2}{3}", True),
     ("Expand $(x+2)(x+3)$.", "x^2+5x+6", "x^2+5x+6", True),
     # the reference written in the problem is an answer, given values too
