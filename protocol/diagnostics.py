@@ -14,6 +14,7 @@ import itertools
 import numpy as np
 
 from protocol import stats
+from protocol.report_fidelity import noise_floor
 from protocol.runs import Run, correct
 
 
@@ -61,6 +62,7 @@ def summarize_run(run: Run) -> dict:
                                                      is not None else f.get("steps", 0) for f in fid]))
                                     if fid else float("nan")),
         "fidelity_records": len(fid),
+        **noise_floor(recs),  # what never-compacted records diverge by: no retention's doing
         "tokens_per_second": _mean(r.get("tokens_per_second") for r in recs),
         "plan_hash": run.plan_hash, "code_version": run.meta.get("code_version"),
         "model_revision": run.config.get("model_revision"), "path": str(run.path),

@@ -16,7 +16,7 @@ from protocol import report_figures
 from protocol.design_space import design_space_lines
 from protocol.errors import ProtocolError
 from protocol.io import dumps, ensure_dir, load_json_object, write_atomic
-from protocol.report_fidelity import summary_lines
+from protocol.report_fidelity import floor_lines, summary_lines
 
 REPORT_LISTING = "report-files.json"
 INCOMPLETE = "REPORT-INCOMPLETE"  # present only while (or if killed while) a report is written
@@ -89,7 +89,7 @@ def terminal_summary(rep) -> str:
         else:
             out.append(f"proxy {c['proxy']}: correlation with accuracy undefined over {c['n_configs']} "
                        "configurations (accuracy or proxy constant)")
-    out += summary_lines(rep.fidelity)
+    out += floor_lines(rep.arms) + summary_lines(rep.fidelity)
     out += design_space_lines(rep.design_space)
     prov = rep.provenance
     if prov["plan_hashes"]:

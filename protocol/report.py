@@ -26,6 +26,8 @@ from protocol.render import (REPORT_LISTING, json_safe, tex_escape, terminal_sum
 from protocol.report_fidelity import fidelity_comparisons
 from protocol.runs import (Run, assign_labels, correct, find_run_dirs, load_run, pair_runs,  # noqa: F401
                            refuse_duplicates, sizing_notes)
+from protocol.splits import problems_by_id
+from protocol.verdicts import check_verdicts
 
 
 @dataclass
@@ -54,6 +56,11 @@ class Report:
                 "provenance": self.provenance, "notes": self.notes}
 
 
+def _problem_texts() -> dict[str, str]:
+    """problem_id -> text of the shipped MATH-500 copy (other datasets' problems: none)."""
+    return {pid: p.problem for pid, p in problems_by_id(None).items()}
+
+
 def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = None,
                  boot_max: int | None = None, seed: int | None = None, alpha: float | None = None,
                  m: int | None = None, confirm_dirs=None, grade=None,
@@ -65,9 +72,12 @@ def build_report(run_dirs, *, baseline: str | None = None, boot: int | None = No
     a given value that differs from its registered one is refused. registry: the registry of
     plans and confirmations (default: the user's, `protocol.ledger.Registry()`)."""
     runs = [load_run(d, grade=grade, with_trace=True) for d in find_run_dirs(run_dirs)]
+    # stored verdicts are what the tables count: each is checked against a re-grade of its text
+    # (a caller's own `grade` is a stand-in grader: there is nothing to check against)
+    checked = check_verdicts(runs, _problem_texts()) if grade is None and len(runs) >= 2 else []
     rep = report_from_runs(runs, baseline=baseline, boot=boot, boot_max=boot_max, seed=seed, alpha=alpha, m=m,
                            confirm_dirs=confirm_dirs, subset_boot=subset_boot, registry=registry)
-    rep.notes += sizing_notes(run_dirs)
+    rep.notes += checked + sizing_notes(run_dirs)
     return rep
 
 

@@ -15,6 +15,7 @@ study is one arm with two statistics files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 from protocol import grading, shards, stats
 from protocol.design_space import MECHANISM_KEYS
 from protocol.errors import ProtocolError
-from protocol.io import load_json_object, read_jsonl
+from protocol.io import canonical_json, load_json_object, read_jsonl
 
 
 def stats_identity(config: dict) -> str | None:
@@ -161,6 +162,10 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
         raise ProtocolError(f"unreadable run configuration: {exc}") from None
     if not isinstance(meta.get("config"), dict):
         raise ProtocolError(f"{cfg_path}: no 'config' object")
+    digest = hashlib.sha256(canonical_json(meta["config"]).encode()).hexdigest()
+    if meta.get("config_hash") != digest:  # edited after the run: its records are not this configuration's
+        raise ProtocolError(f"run {path.name}: config.json does not hash to its configuration hash "
+                            f"({str(meta.get('config_hash'))[:12]}; its config hashes to {digest[:12]}): refused")
     records, warnings = [], [f"{path}: shard {s} has no records yet" for s in shards.missing_shards(path)]
     for rec_path in rec_paths:
         recs, w = _read_records(path, rec_path, meta.get("config_hash"))
@@ -176,11 +181,15 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
         seen.add(key)
     ungraded = [r for r in records if "verdict" not in r]
     if ungraded:
-        grade = grade or grading.grade
         for rec in ungraded:
             text, gold = rec.get("text"), rec.get("gold")
             # No text (a failed generation) or no gold answer cannot be right: null = wrong.
-            g = grade(text, gold) if text is not None and gold is not None else None
+            if text is None or gold is None:
+                g = None
+            elif grade is None:  # the default grader reads the finish reason: cut off = marked final only
+                g = grading.grade(text, gold, finish_reason=rec.get("finish_reason"))
+            else:
+                g = grade(text, gold)
             rec["verdict"] = None if g is None else g.verdict
             if g is not None:
                 rec.setdefault("extracted", g.extracted)

@@ -9,6 +9,10 @@
 * The comparison (`protocol.grading.equivalence.judge`) parses LaTeX without evaluating it and
   runs in a killable worker process under a hard wall-clock timeout and a memory cap
   (`protocol.grading.worker`).
+* An answer must answer: a final that restates an expression of the problem (its text given in
+  `problems`) is wrong however equal in value (`protocol.grading.restated`; `Grade.restated`).
+* An output that ended at the token limit (`finish_reasons` "length") is graded only on an
+  explicitly marked final (a box, "the final answer is ..."): no fallback rule reads it.
 * A `Grade` has `verdict` True/False, or None with `reason` "no_answer" (nothing extracted),
   "timeout" (no verdict in time) or "unparsable" (the answer or reference cannot be read safely).
   For statistics None counts as wrong.
@@ -16,21 +20,36 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 from protocol.grading import mathverify
 from protocol.grading.extract import RULES, extract_answer, extract_final, find_boxes
 from protocol.grading.normalize import MAX_ANSWER_CHARS
 from protocol.grading.options import option_gold
+from protocol.grading.restated import restates
 from protocol.grading.spans import box_answer
 from protocol.grading.worker import close_default_pool, default_pool
 
 __all__ = ["Grade", "Opinion", "grade", "grade_many", "second_opinions", "extract_final",
-           "extract_answer", "close_workers", "REASONS", "RULES"]
+           "extract_answer", "close_workers", "REASONS", "RULES", "GRADER_VERSION"]
 
 REASONS = ("no_answer", "timeout", "unparsable")
+
+
+def _source_digest() -> str:
+    """sha256 of this package's sources (file names and bytes, in name order): the grader's version."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+#: The grader's version as records note it: a stored verdict is re-graded under it (`report`).
+GRADER_VERSION = _source_digest()
 
 
 @dataclass(frozen=True)
@@ -43,12 +62,15 @@ class Grade:
     reason: str | None
     rule: str | None
     others: tuple[str, ...] = ()  # further answers the output also states as final
+    restated: bool = False  # the answer copies an expression of the problem (`restated`)
 
     def as_record(self) -> dict:
         rec = {"extracted": self.extracted, "verdict": self.verdict, "reason": self.reason,
                "rule": self.rule}
         if self.others:
             rec["other_answers"] = list(self.others)
+        if self.restated:
+            rec["restated"] = True
         return rec
 
 
@@ -71,10 +93,14 @@ def _check_timeout(timeout: float) -> float:
 
 
 def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
-               workers: int = 2, problems: Sequence[str | None] | None = None) -> list[Grade]:
+               workers: int = 2, problems: Sequence[str | None] | None = None,
+               finish_reasons: Sequence[str | None] | None = None) -> list[Grade]:
     """Grade (pred_text, gold) pairs; `timeout` seconds per pair, `workers` processes in parallel.
     `problems` (one problem text or None per pair) lets a gold that names an option ("(C)") be
-    matched by the option's content ("Plane") as well as by its letter (`options`)."""
+    matched by the option's content ("Plane") as well as by its letter (`options`), and an answer
+    that restates the problem's own expression be refused (`restated`). `finish_reasons` (one per
+    pair, as a run records it): "length" marks an output cut off at the token limit, graded only
+    on an explicitly marked final."""
     timeout = _check_timeout(timeout)
     if int(workers) < 1:
         raise ValueError(f"workers must be >= 1, got {workers!r}")
@@ -82,11 +108,14 @@ def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
     problems = [None] * len(pairs) if problems is None else list(problems)
     if len(problems) != len(pairs):
         raise ValueError(f"{len(problems)} problems for {len(pairs)} pairs")
+    finish_reasons = [None] * len(pairs) if finish_reasons is None else list(finish_reasons)
+    if len(finish_reasons) != len(pairs):
+        raise ValueError(f"{len(finish_reasons)} finish reasons for {len(pairs)} pairs")
     found = []
-    for pred, _ in pairs:
+    for (pred, _), reason in zip(pairs, finish_reasons):
         if pred is not None and not isinstance(pred, str):
             raise TypeError(f"pred must be a string or None, got {type(pred).__name__}")
-        found.append(extract_final(pred))
+        found.append(extract_final(pred, truncated=reason == "length"))
     refs = [_reference(gold) for _, gold in pairs]
     choices = [option_gold(ref, problem) for ref, problem in zip(refs, problems)]
     # every answer the output states as final is judged; credit needs all of them right
@@ -99,6 +128,9 @@ def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
                 if decision.compare_with is None:
                     settled[len(tasks)] = ("ok", decision.verdict, None)
                 ref = decision.compare_with or ref
+            if len(tasks) not in settled and len(ans) <= MAX_ANSWER_CHARS and restates(ans, ref, problems[i]):
+                # a copy of the problem's expression is no answer, whatever its value
+                settled[len(tasks)] = ("ok", False, "restated")
             if len(ans) > MAX_ANSWER_CHARS and len(tasks) not in settled:
                 # answers too long to parse are settled here, without shipping megabytes to a worker
                 settled[len(tasks)] = (("ok", True, None) if ans.strip() == ref.strip() else
@@ -119,7 +151,8 @@ def grade_many(pairs: Iterable[tuple[str, str]], timeout: float = 5.0,
             continue
         outcomes = per_item[i]
         if any(status == "ok" and verdict is False for status, verdict, _ in outcomes):
-            out.append(Grade(e.answer, False, None, e.rule, e.others))
+            copied = any(detail == "restated" for _, _, detail in outcomes)
+            out.append(Grade(e.answer, False, None, e.rule, e.others, restated=copied))
         elif all(status == "ok" for status, _, _ in outcomes):
             out.append(Grade(e.answer, True, None, e.rule, e.others))
         else:
@@ -156,10 +189,13 @@ def second_opinions(pairs: Iterable[tuple[str, str]], judge: str, timeout: float
             for status, verdict, _ in results]
 
 
-def grade(pred_text: str, gold: str, timeout: float = 5.0, problem: str | None = None) -> Grade:
+def grade(pred_text: str, gold: str, timeout: float = 5.0, problem: str | None = None,
+          finish_reason: str | None = None) -> Grade:
     """Grade one model output against the reference answer `gold` (of the problem text
-    `problem`, when known: it lists the options of a multiple-choice problem)."""
-    return grade_many([(pred_text, gold)], timeout=timeout, workers=1, problems=[problem])[0]
+    `problem`, when known: it lists the options of a multiple-choice problem and the expressions
+    an answer must not merely restate); `finish_reason` "length": cut off at the token limit."""
+    return grade_many([(pred_text, gold)], timeout=timeout, workers=1, problems=[problem],
+                      finish_reasons=[finish_reason])[0]
 
 
 def close_workers() -> None:

@@ -31,7 +31,10 @@ Then rules, tried in this order; the name of the one that fired is returned with
     answer).
 
 A truncated output (a sentence cut off after the last value) gives no answer from the prose and
-math rules. Everything is linear: one pass computes all brace matches, math spans are found with
+math rules. An output that ended at the token limit (``truncated``: the record's `finish_reason`
+is "length") has a final answer only where it marks one explicitly (the ``boxed``,
+``final_answer`` and ``answer`` rules): the fallbacks would take an intermediate line of a
+looping or unfinished solution as its answer. Everything is linear: one pass computes all brace matches, math spans are found with
 forward `str.find` calls only, the prose rules read only the last `SEGMENT_MAX_CHARS`, and every
 regex is free of nested quantifiers. docs/grading.md lists every rule with the reason for it.
 """
@@ -177,8 +180,9 @@ class Extraction:
     others: tuple[str, ...] = ()
 
 
-def extract_final(text: str | None) -> Extraction:
-    """The final answer of a model output (see the module docstring for the rules)."""
+def extract_final(text: str | None, truncated: bool = False) -> Extraction:
+    """The final answer of a model output (see the module docstring for the rules); with
+    `truncated` (the output ended at the token limit) only an explicitly marked final counts."""
     if not text or not isinstance(text, str):
         return Extraction(None, None)
     if len(text) > MAX_SCAN_CHARS:
@@ -186,12 +190,12 @@ def extract_final(text: str | None) -> Extraction:
     part = _final_part(_clean(text))
     if part is None:
         return Extraction(None, None)
-    return _extract(_MARKDOWN.sub("", to_common(part)))
+    return _extract(_MARKDOWN.sub("", to_common(part)), truncated)
 
 
-def extract_answer(text: str | None) -> tuple[str | None, str | None]:
+def extract_answer(text: str | None, truncated: bool = False) -> tuple[str | None, str | None]:
     """(answer, rule) for a model output, or (None, None) when it holds no answer."""
-    e = extract_final(text)
+    e = extract_final(text, truncated)
     return e.answer, e.rule
 
 
@@ -209,7 +213,7 @@ def _final_statement(text: str):
     return (best.end(), ans) if ans else None
 
 
-def _extract(text: str) -> Extraction:
+def _extract(text: str, truncated: bool = False) -> Extraction:
     if not text.strip():
         return Extraction(None, None)
     boxes = find_boxes(text)
@@ -233,6 +237,8 @@ def _extract(text: str) -> Extraction:
         ans = _refine(text[m.end():m.end() + SEGMENT_MAX_CHARS])
         if ans:
             return Extraction(ans, "answer")
+    if truncated:
+        return Extraction(None, None)  # cut off at the token limit: no marked final, no answer
 
     spans = [s for s in math_spans(text) if s[2].strip()]
     off, tail = tail_window(text)

@@ -3,9 +3,12 @@
     python -m protocol.grading.regrade [--data MATH500.jsonl] [--write] RUN_DIR_OR_FOLDER ...
 
 Every record with `text` and `gold` is graded again, with its problem's text (looked up by
-`problem_id` in the MATH-500 copy: it lists a multiple-choice problem's options). Each changed
-verdict is printed as ``RUN PROBLEM_ID sample S: OLD -> NEW (extracted ...)``; with `--write`, the
-changed records get the new `extracted`/`verdict`/`reason`/`rule`/`other_answers` and every other
+`problem_id` in the MATH-500 copy: it lists a multiple-choice problem's options and the expressions
+an answer must not merely restate) and its `finish_reason` (a "length" record is graded on a
+marked final only). Each changed
+verdict is printed as ``RUN_DIR PROBLEM_ID sample S: OLD -> NEW (extracted ...)``; with `--write`, the
+changed records get the new `extracted`/`verdict`/`reason`/`rule`/`other_answers`/`restated` and
+the `grader_version` that gave them, and every other
 line of the file stays byte for byte as it was (the file is replaced atomically). Without
 `--write` nothing is written. Reports read the stored verdicts, so regenerate them afterwards.
 """
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.errors import ProtocolError
-from protocol.grading import grade_many
+from protocol.grading import GRADER_VERSION, grade_many
 from protocol.io import dumps, loads, read_text, write_atomic
 from protocol.runs import find_run_dirs
 from protocol.shards import record_files
@@ -26,7 +29,7 @@ from protocol.splits import problems_by_id
 
 __all__ = ["Change", "regrade_file", "main"]
 
-_GRADE_KEYS = ("extracted", "verdict", "reason", "rule", "other_answers")
+_GRADE_KEYS = ("extracted", "verdict", "reason", "rule", "other_answers", "restated")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ def regrade_file(path: Path, problems: dict, write: bool, timeout: float = 5.0,
         if isinstance(rec.get("text"), str) and isinstance(rec.get("gold"), str):
             todo.append((n, rec))
     grades = grade_many([(r["text"], r["gold"]) for _, r in todo], timeout=timeout, workers=workers,
-                        problems=[problems.get(str(r.get("problem_id"))) for _, r in todo])
+                        problems=[problems.get(str(r.get("problem_id"))) for _, r in todo],
+                        finish_reasons=[r.get("finish_reason") for _, r in todo])
     changes, touched = [], False
     for (n, rec), g in zip(todo, grades):
         new = g.as_record()
@@ -69,7 +73,8 @@ def regrade_file(path: Path, problems: dict, write: bool, timeout: float = 5.0,
             changes.append(Change(path, str(rec.get("problem_id")), int(rec.get("sample", 0)),
                                   rec.get("verdict"), g.verdict, g.extracted))
         rec.pop("other_answers", None)
-        rec.update(new)
+        rec.pop("restated", None)
+        rec.update(new, grader_version=GRADER_VERSION)
         lines[n] = dumps(rec) + "\n"
         touched = True
     if write and touched:
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for c in changes:
-        print(f"{c.path.parent.name} {c.problem_id} sample {c.sample}: {c.old} -> {c.new} "
+        print(f"{c.path.parent} {c.problem_id} sample {c.sample}: {c.old} -> {c.new} "
               f"(extracted {c.extracted!r})")
     verb = "written" if args.write else "not written (use --write)"
     print(f"{files} record files, {len(changes)} changed verdicts, {verb}")

@@ -75,6 +75,18 @@ def _problem_texts(records: list[tuple[int, dict]], data: Path | None) -> list[s
     return out
 
 
+def _finish_reasons(path: Path, records: list[tuple[int, dict]]) -> list[str | None]:
+    """Each record's `finish_reason` as a run writes it ("length": cut off at the token limit, so
+    only an explicitly marked final is graded); None where the record has none."""
+    out = []
+    for n, rec in records:
+        reason = rec.get("finish_reason")
+        if reason is not None and not isinstance(reason, str):
+            raise ProtocolError(f"{path}:{n}: 'finish_reason' must be a string or null")
+        out.append(reason)
+    return out
+
+
 def _pairs(path: Path, records: list[tuple[int, dict]], data: Path | None) -> list[tuple]:
     by_id = None
     pairs = []
@@ -157,6 +169,9 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
           compare: str | None, disagreements: Path | None) -> None:
     """Grade the JSONL records of FILE: each needs 'pred' (or 'text') and 'gold' (or 'problem_id').
 
+    A record's 'problem' (else the MATH-500 problem of its 'problem_id') is read too: an answer that
+    restates the problem's own expression earns no credit. A record whose 'finish_reason' is
+    'length' (cut off at the token limit) is graded only on an explicitly marked final answer.
     Each record is written back with 'extracted', 'verdict', 'reason' and 'rule' added.
     """
     from protocol.grading import grade_many
@@ -181,7 +196,8 @@ def grade(file: Path, out: Path | None, data: Path | None, timeout: float, worke
             raise ProtocolError("math-verify is not installed: pip install 'retention[mathverify]'")
     records = _read_records(file)
     pairs = _pairs(file, records, data)
-    grades = grade_many(pairs, timeout=timeout, workers=workers, problems=_problem_texts(records, data))
+    grades = grade_many(pairs, timeout=timeout, workers=workers, problems=_problem_texts(records, data),
+                        finish_reasons=_finish_reasons(file, records))
     opinions = _second_opinions(pairs, compare, timeout, workers) if compare else None
     lines, differ = [], []
     for k, ((n, rec), g) in enumerate(zip(records, grades)):

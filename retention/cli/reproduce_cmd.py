@@ -19,9 +19,12 @@ from retention.cli.options import splits_dir_option
 @splits_dir_option
 def reproduce_command(run_dir, limit, stats_path, splits_dir):
     """Re-run records of RUN_DIR from its config.json (same model revision, seeds and slot count) and print,
-    per record, `identical` or the first differing token, with the sha256 of both token sequences.
+    per record, `identical` or the first differing token, with the sha256 of both token sequences, and
+    every field that differs: the re-graded finish reason, extracted answer and verdict, and the meter.
 
-    Exit status 0 only when every record is identical. Nothing is written into RUN_DIR."""
+    On a host whose instruction sets or kernel libraries differ from the records' (a bfloat16 run, or
+    float32 without the ISA pinned) it says so and compares the answers only. Exit status 0 only when
+    every record matches at the level compared. Nothing is written into RUN_DIR."""
     from retention.runs.reproduce import reproduce
 
     rep = reproduce(run_dir, limit=limit, stats=stats_path, splits_dir=splits_dir)

@@ -103,6 +103,10 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--no-grade", is_flag=True, help="Do not grade records as they are written.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N, mps.")
+@click.option("--isa-portable", is_flag=True,
+              help="Records that do not depend on the CPU's instruction set: needs --dtype float32 on cpu and "
+                   "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2,STRICT set before the start "
+                   "(docs/reproducibility.md). The records' host fingerprint notes it.")
 @click.option("--out", type=click.Path(file_okay=False), default="results", show_default=True, help="Parent folder of run directories.")
 @click.option("--batch-size", type=int, default=None, callback=bounded("--batch-size", 1, 65536),
               help="Sequences decoded together, the slot count of every decode step (continuous batching; recorded, "
@@ -127,12 +131,18 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
                    "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
 def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
                 window, cadence, routing, state, decoding, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
-                sampler, seed, ignore_eos, fidelity, trace, no_grade, dtype, device, out, batch_size, quiet, shard_text, ray_address,
-                shards, gpus_per_shard, cpus_per_shard, retries, engine):
+                sampler, seed, ignore_eos, fidelity, trace, no_grade, dtype, device, isa_portable, out, batch_size, quiet,
+                shard_text, ray_address, shards, gpus_per_shard, cpus_per_shard, retries, engine):
     """Generate on the dev split under retention policies and write resumable run directories.
 
     Rerunning the same command resumes: finished records are skipped.
     """
+    if isa_portable:
+        from retention.host import portable_problem
+
+        problem = portable_problem(dtype) or (None if device == "cpu" else f"--isa-portable is a CPU mode, got --device {device}")
+        if problem:
+            raise RetentionError(problem)
     if split == "confirm":
         raise RetentionError("the confirm split is reachable only through a pre-registered plan: "
                              "`retention preregister` then `retention confirm --plan PLAN.json`")

@@ -41,6 +41,7 @@ from retention.runs.spec import ArmSpec, config_hash
 from retention.runtime.engine import Request, SamplingConfig, run_engine
 from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.runtime.trace import CacheTracer
+from retention.host import host_fingerprint
 from retention.versions import library_versions
 
 # Bumped when the meaning of a configuration field changes; plans and ledgers record it.
@@ -192,6 +193,7 @@ class RunDir:
                 "config_schema": CONFIG_SCHEMA_VERSION,
                 "config": self.config,
                 "versions": library_versions(),
+                "host": host_fingerprint(),
                 "code_version": code_version(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "trace": self.trace,
@@ -311,6 +313,7 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
         "tokens_per_second": len(token_ids) / wall_seconds if wall_seconds > 0 else 0.0,
         "batch_size": batch_size,
         "gold": gold,
+        "host": host_fingerprint(),  # tokens may depend on the CPU's instruction set (docs/reproducibility.md)
     }
     if slots is not None:  # this project's engine: the static step's slot count (retention.runs.slots)
         record["slots"] = slots
@@ -319,8 +322,13 @@ def make_record(*, config_hash: str, problem_id: str, sample: int, seed: int, pr
     if trace is not None:
         record.update(prompt_evicted_step=trace.prompt_evicted_step, prompt_held_final=trace.prompt_held_final)
     if grader is not None and gold is not None:
-        gr = grader(text, gold, problem=problem)  # the problem text lists a multiple-choice problem's options
-        record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule)
+        # the problem text lists a multiple-choice problem's options and the expressions an answer
+        # must not merely restate; a cut-off output ("length") is graded on a marked final only
+        gr = grader(text, gold, problem=problem, finish_reason=finish_reason)
+        record.update(extracted=gr.extracted, verdict=gr.verdict, reason=gr.reason, rule=gr.rule,
+                      grader_version=grading.GRADER_VERSION)
+        if gr.restated:
+            record["restated"] = True
     else:
         record.update(extracted=None, verdict=None, reason=None, rule=None)
     return record

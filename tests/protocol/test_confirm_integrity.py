@@ -201,8 +201,9 @@ def resumable_runner(cell, arm, cfg, out_dir):
     resuming after a kill (a half-written last line is cut off)."""
     d = Path(out_dir) / arm / "run"
     d.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(io.canonical_json(cfg).encode()).hexdigest()  # reports check it
     if not (d / "config.json").exists():
-        io.write_json(d / "config.json", {"run_id": f"{cell['id']}-{arm}", "config_hash": arm,
+        io.write_json(d / "config.json", {"run_id": f"{cell['id']}-{arm}", "config_hash": digest,
                                          "config": cfg, "plan_hash": cfg["plan_hash"]})
     have = set()
     if (d / "records.jsonl").exists():
@@ -216,7 +217,7 @@ def resumable_runner(cell, arm, cfg, out_dir):
                 continue
             bit = hashlib.sha256(f"{arm}{i}{j}{cell['id']}".encode()).digest()[0] < (150 if arm == "treatment" else 110)
             io.append_line(d / "records.jsonl", io.jsonl_line(
-                {"config_hash": arm, "problem_id": f"p{i}", "sample": j, "verdict": bit, "text": "x", "gold": "1",
+                {"config_hash": digest, "problem_id": f"p{i}", "sample": j, "verdict": bit, "text": "x", "gold": "1",
                  "output_tokens": 10, "finish_reason": "eos", "cache_mean_tokens": 1.0,
                  "cache_peak_tokens": 1, "kib_per_token": 1.0, "cache_mean_kib": 1.0,
                  "budget_exceeded": False}))

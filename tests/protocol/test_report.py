@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from protocol import report
+from protocol.io import canonical_json
 from protocol.errors import ProtocolError
 
 # --------------------------------------------------------------------------------------------------
@@ -31,7 +32,7 @@ def make_run(root, *, model="qwen-1.5b", scorer="alpha", budget=512, accounting=
     cfg = {"model": model, "model_revision": "rev-1", "scorer": scorer,
            "scorer_params": params or {}, "budget": budget, "accounting": accounting,
            "samples": k, "seed": 0, "split": split, "max_new_tokens": 4096, **(extra or {})}
-    digest = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+    digest = hashlib.sha256(canonical_json(cfg).encode()).hexdigest()  # as `run` hashes it: report checks
     run_id = f"{model}-{scorer}-b{budget}-{digest[:10]}"
     d = Path(root) / run_id
     d.mkdir(parents=True)

@@ -45,3 +45,21 @@ def test_comparison_rows_are_labelled_exploratory():
     assert len(lines) == 2 and "exploratory" in lines[0] and "alpha vs tri" in lines[0]
     none = SimpleNamespace(model="m", budget=64, label="x", records=[{"problem_id": "0", "sample": 0}])
     assert fidelity_comparisons([(none, b)], boot=10) == []
+
+
+def test_the_noise_floor_is_measured_on_never_compacted_records():
+    from protocol.report_fidelity import floor_lines, floor_text, noise_floor
+
+    recs = [{"compactions": 0, "fidelity": {"kl_mean": 2e-4, "first_divergence_step": 31, "steps": 64}},
+            {"compactions": 0, "fidelity": {"kl_mean": 0.0, "first_divergence_step": None, "steps": 64}},
+            {"compactions": 3, "fidelity": {"kl_mean": 0.5, "first_divergence_step": 2, "steps": 64}},
+            {"compactions": 0}]  # no fidelity figures: not counted
+    f = noise_floor(recs)
+    assert f == {"floor_records": 2, "floor_kl_mean": 1e-4, "floor_diverged": 1, "floor_first_divergence": 31}
+    assert floor_text(f) == ("noise floor (2 never-compacted record(s)): KL 0.0001, 1 of 2 diverged from the "
+                             "full cache (earliest at step 31)")
+    assert "not measured" in floor_text(noise_floor(recs[2:]))
+    arm = {"label": "alpha", "model": "m", "budget": 128, "kl_mean": 0.25, "first_divergence_median": 16,
+           "fidelity_records": 3, **f}
+    assert floor_lines([arm, dict(arm, fidelity_records=0)]) == [
+        "fidelity of alpha (m/128): KL 0.25, first divergence median 16; " + floor_text(f)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from protocol.grading import GRADER_VERSION
 from protocol.grading.regrade import main, regrade_file
 
 SHAPES_ID = "test/precalculus/819.json"
@@ -45,7 +46,9 @@ def test_regrade_finds_and_writes_the_changed_verdict_only(tmp_path, capsys):
     assert after[1:] == before[1:]                      # untouched lines stay byte for byte
     changed = json.loads(after[0])
     assert changed["verdict"] is False and changed["extracted"] == "c"
-    assert list(changed) == list(json.loads(before[0]))  # same fields, same order
+    # same fields, same order, and the version of the grader that gave the new verdict
+    assert [k for k in changed if k != "grader_version"] == list(json.loads(before[0]))
+    assert changed["grader_version"] == GRADER_VERSION
     assert main([str(tmp_path / "runs")]) == 0          # a second pass changes nothing
     assert "0 changed verdicts" in capsys.readouterr().out
 
