@@ -41,13 +41,19 @@ def current_code_version() -> str:
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
                                 "--untracked-files=no"], capture_output=True, text=True,
                                timeout=5, env=env, check=True).stdout.strip()
+        # An untracked module under the package folders (one shadowing a tracked one, say) runs as
+        # much as a tracked edit does; untracked files elsewhere (results, notes) are not code.
+        dirty = dirty or subprocess.run(["git", "-C", str(root), "ls-files", "--others", "--exclude-standard",
+                                         "--", "retention", "protocol"], capture_output=True, text=True,
+                                        timeout=5, env=env, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return __version__
     return f"{__version__}+g{sha}{'.dirty' if dirty else ''}"
 
 
 def tree_is_dirty() -> bool:
-    """Whether this checkout has uncommitted changes to tracked files (False outside a git checkout:
+    """Whether this checkout has uncommitted changes to tracked files or untracked files under its
+    package folders (False outside a git checkout:
     an installed package is whatever version it was built from)."""
     return current_code_version().endswith(".dirty")
 

@@ -62,7 +62,12 @@ def code_version() -> str:
             capture_output=True, text=True, timeout=5,
         )
         if out.returncode == 0 and out.stdout.strip():
-            return f"{__version__}+g{out.stdout.strip()}"
+            described = out.stdout.strip()
+            untracked = subprocess.run(["git", "-C", str(here.parent), "ls-files", "--others", "--exclude-standard",
+                                        "--", "retention", "protocol"], capture_output=True, text=True, timeout=5)
+            if untracked.stdout.strip() and not described.endswith("-dirty"):
+                described += "-dirty"  # an untracked module under the package folders runs too
+            return f"{__version__}+g{described}"
     except (OSError, subprocess.SubprocessError):
         pass
     return __version__
