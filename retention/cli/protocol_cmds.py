@@ -222,6 +222,9 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     # Each arm of each cell exactly as `run` would validate it; the calibration statistics each
     # resolves to are recorded by content, per cell (each model has its own).
     plan = prereg.with_cell_stats(plan, validate_plan(plan))
+    from retention.runs.smoke import check_plan_runs
+
+    check_plan_runs(plan)  # built as confirm builds it; a plugin through its cheap checks on tiny-random
     path, h, written = prereg.write_plan(plan, out)  # refuses an unacknowledged repeat of a cell
     state = "registered" if written else "already registered (unchanged)"
     click.echo(f"plan {h[:12]} {state}: {path}")
