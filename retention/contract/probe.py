@@ -322,7 +322,7 @@ class CheckedPolicy(RetentionPolicy):
                        f"({self.state.name} state; recounted from the stored values)")
             if bad is not None and len(self.byte_violations) < MAX_NOTES:
                 self.byte_violations.append(bad)
-            if bad is None and abs(metered - recount) > 1e-9 * max(1.0, recount):
+            if abs(metered - recount) > 1e-9 * max(1.0, recount):  # the state's own recount, as before
                 self.violations.append(f"the meter counts {metered:.6g} KiB in a row whose buffers hold "
                                        f"{recount:.6g} KiB ({self.state.name} state)")
                 break

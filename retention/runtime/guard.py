@@ -188,7 +188,7 @@ class GuardedPolicy(RetentionPolicy):
                     continue
                 kib = self.state.row_kib(cache, r, m.kib_per_token)
                 kib = cache.lengths[r] * m.kib_per_token if kib is None else kib
-                bad = figure_refusal(f"state {self.state.name!r} reports a row's KiB", kib)
+                bad = figure_refusal(f"the KiB state {self.state.name!r} reports for a row", kib)
                 if bad is None:
                     floor = stored_kib_floor(cache, r, self.state, m.kib_per_token)
                     if kib < floor * (1 - 1e-9):
