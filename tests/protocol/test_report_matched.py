@@ -28,6 +28,8 @@ def test_a_kib_arm_is_labelled_by_its_kib_and_the_pair_by_its_unit(tmp_path):
     assert "2688 KiB vs 96" in pair and " KiB " in pair
     measured = f"{row['t_cache_mean_tokens']:.1f} tok / {row['t_cache_mean_kib']:.1f} KiB"
     assert measured in pair and f"{row['b_cache_mean_tokens']:.1f} tok / {row['b_cache_mean_kib']:.1f} KiB" in pair
+    tex = report.to_latex(rep)
+    assert "2688 KiB vs 96" in tex and "& Matched & Cache T & Cache B" in tex and "& KiB & " in tex
     ds = "\n".join(design_space_lines(rep.design_space))
     assert "/2688 KiB vs 96, matched in KiB" in ds
 
