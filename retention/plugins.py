@@ -136,6 +136,12 @@ def _installed_tops() -> frozenset[str]:
     return frozenset(metadata.packages_distributions())
 
 
+def loaded_outside_since(before: set[str]) -> list[Path]:
+    """Source files of outside modules (`_outside_files`) imported since `before` (a `set(sys.modules)`
+    taken before a run): code a plugin loaded while decoding, which its identity did not cover."""
+    return sorted(_outside_files(set(sys.modules) - before) - {f for fs in _imported.values() for f in fs})
+
+
 def _outside_files(names) -> set[Path]:
     """Source files of modules `names` that belong to no installed distribution, not to this project
     and not to the standard library: code a plugin pulled in from anywhere (`PYTHONPATH`, the working

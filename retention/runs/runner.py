@@ -34,7 +34,7 @@ from protocol.shards import record_files
 from retention import __version__
 from retention.errors import RetentionError
 from retention.models import format_prompt, output_text
-from retention.plugins import differing_keys, refuse_other_code, stable_identity
+from retention.plugins import differing_keys, loaded_outside_since, refuse_other_code, stable_identity
 from retention.runs.scale.shard import shard_pairs, shard_size
 from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
@@ -412,6 +412,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
         if trace:
             policy.tracer = CacheTracer()
         policy.prepare(tok)
+        modules_before = set(sys.modules)
         try:
             run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=S, fidelity=fidelity, max_prompt=longest,
                        on_finish=on_finish, on_step=on_step if progress else None)
@@ -425,6 +426,11 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
             raise RetentionError(f"{named} raised during decoding ({type(exc).__name__}: "
                                  f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
                                  "to resume") from exc
+        late = loaded_outside_since(modules_before) if arm.spec.plugins() else []
+        if late:  # code that decided these records but is in no identity: said, not silently mixed
+            raise RetentionError(f"{', '.join(arm.spec.plugins())} imported {late[0]}"
+                                 f"{f' and {len(late) - 1} more' if len(late) > 1 else ''} while decoding: not part "
+                                 "of its identity; import it at the plugin's module level and rerun in a new --out")
     bar.close()
 
 

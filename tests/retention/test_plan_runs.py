@@ -4,6 +4,7 @@ cheap checks; `run` refuses a broken plugin at its first compaction before writi
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from protocol import prereg
@@ -66,3 +67,31 @@ def test_run_refuses_a_broken_plugin_before_writing_a_record(tmp_path):
     assert "one-column-short" in line and "returned logits (1, 258)" in line
     records = list(out.rglob("records.jsonl"))
     assert all(not p.read_text().strip() for p in records)
+
+
+LAZY = '''from retention.scorers import get_scorer_class
+
+Base = get_scorer_class("snapkv")
+
+
+class Lazy(Base):
+    name = "lazy"
+
+    def score(self, view):
+        import lazyhelper46  # imported while decoding: in no identity taken before the run
+        return super().score(view) * lazyhelper46.SCALE
+'''
+
+
+def test_a_module_a_plugin_imports_while_decoding_is_said(tmp_path, monkeypatch):
+    helpers = tmp_path / "helpers"
+    helpers.mkdir()
+    (helpers / "lazyhelper46.py").write_text("SCALE = 1.0\n")
+    (tmp_path / "lazy.py").write_text(LAZY)
+    monkeypatch.syspath_prepend(str(helpers))
+    res = _cli(["run", "--model", "tiny-random", "--scorer", f"{tmp_path / 'lazy.py'}:Lazy", "--budget", "24",
+                "--interval", "4", "--limit", "1", "--max-new-tokens", "30", "--out", str(tmp_path / "runs"),
+                "--quiet", "--no-grade", "--batch-size", "1"])
+    line = _one_line(res)
+    assert f"imported {(helpers / 'lazyhelper46.py').resolve()} while decoding: not part of its identity" in line
+    sys.modules.pop("lazyhelper46", None)
