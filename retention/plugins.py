@@ -290,6 +290,9 @@ def differing_keys(a, b, prefix: str = "") -> list[str]:
                 out.append(sub)
             else:
                 out += differing_keys(a[key], b[key], sub)
+        code = f"{prefix}.code_sha256" if prefix else "code_sha256"
+        if code in out and any(k.startswith(code.replace("code_sha256", "sources_sha256")) for k in out):
+            out.remove(code)  # derived from the sources: the files that differ say more
         return out
     return [] if a == b and type(a) is type(b) else [prefix or "(value)"]
 
