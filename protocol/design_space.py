@@ -79,6 +79,9 @@ def design_space_rows(comparisons: list[dict], runs: list, arms: list[dict]) -> 
         rows.append({
             "families": "+".join(fams) or "none", "model": c["model"], "dataset": c.get("dataset"),
             "budget": c["budget"], "treatment": c["treatment"], "baseline": c["baseline"],
+            "budget_label": " vs ".join(dict.fromkeys(_label(a, c["budget"]) for a in (ta, ba))),
+            "matched": "KiB" if any(a.get("budget_kib") is not None for a in (ta, ba)) else
+                       "full" if c["budget"] is None else "tokens",
             "mechanisms": ", ".join(f"{f}={mechanism_name(t.config, f)}" for f in fams),
             "delta_pp": c["delta_pp"], "ci95_lo_pp": c["ci95_lo_pp"], "ci95_hi_pp": c["ci95_hi_pp"],
             "p_bootstrap": c["p_bootstrap"], "p_bonferroni": c["p_bonferroni"], "verdict": c["verdict"],
@@ -103,7 +106,8 @@ def design_space_lines(rows: list[dict]) -> list[str]:
     out = ["design space (Δ vs baseline at matched memory; cache: mean tokens per layer and KV head, KiB per "
            "sequence, treatment / baseline):"]
     for r in rows:
-        out.append(f"  {r['families']:<9} {r['treatment']} vs {r['baseline']} ({r['model']}/{r['budget']}): "
+        out.append(f"  {r['families']:<9} {r['treatment']} vs {r['baseline']} ({r['model']}/{r['budget_label']}, "
+                   f"matched in {r['matched']}): "
                    f"Δ {r['delta_pp']:+.2f} pp [{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}], "
                    f"p = {r['p_bootstrap']:.3g}, p_bonf = {r['p_bonferroni']:.3g}, {r['verdict']}; "
                    f"cache {_num(r['t_cache_mean_tokens'])} / {_num(r['b_cache_mean_tokens'])} tokens, "
@@ -126,6 +130,12 @@ def _iso(r: dict) -> str:
         return "iso-cache (prefill): not run"
     return (f"iso-cache (prefill): Δ {r['iso_prefill_delta_pp']:+.2f} pp, p = {r['iso_prefill_p']:.3g}, "
             f"{_num(r['iso_prefill_cache_mean_tokens'])} tokens")
+
+
+def _label(arm: dict, budget) -> str:
+    """An arm's budget as given: KiB for a `--budget-bytes` arm, never the token figure it was matched by."""
+    kib = arm.get("budget_kib")
+    return f"{float(kib):g} KiB" if kib is not None else "full" if budget is None else str(budget)
 
 
 def _num(x) -> str:

@@ -38,7 +38,7 @@ def summarize_run(run: Run) -> dict:
     return {
         "run_id": run.run_id, "label": run.label, "model": run.model, "dataset": run.dataset,
         "model_quant": run.config.get("model_quant"), "code_version": run.meta.get("code_version"),
-        "budget": run.budget,
+        "budget": run.budget, "budget_kib": run.config.get("budget_kib"),  # a --budget-bytes arm: labelled by KiB
         "scorer": run.scorer, "accounting": run.accounting, "split": run.split, "n_problems": len(problems),
         "n_records": len(recs), "accuracy": acc, "acc_ci95_lo": acc - 1.96 * se,
         "acc_ci95_hi": acc + 1.96 * se,

@@ -26,6 +26,7 @@ from protocol.data import AIME_PROBLEMS, DATASETS
 from protocol.errors import ProtocolError
 from protocol.io import canonical_json, dumps, ensure_dir, load_json, load_json_object, sha256_text, write_atomic
 from protocol.ledger import Registry
+from protocol.numbers import identity_number
 from protocol.splits import COUNTS
 
 PLAN_SCHEMA = "retention.plan/1"
@@ -109,7 +110,8 @@ def build_plan(*, models: Iterable[str], budgets: Iterable[int | None], treatmen
                model_revisions: dict | None = None, note: str | None = None,
                dataset: str = DEFAULT_DATASET, runner: str | None = None,
                supersedes: Iterable[str] | None = None, reason: str | None = None,
-               n_confirm: int | None = None, runner_sources: dict | None = None) -> dict:
+               n_confirm: int | None = None, runner_sources: dict | None = None,
+               model_contents: dict | None = None) -> dict:
     """The plan body (the part that is hashed); cells are the product models x budgets.
 
     dataset: stored only when not the default (math500). runner: a registered MODULE:FUNCTION
@@ -117,7 +119,8 @@ def build_plan(*, models: Iterable[str], budgets: Iterable[int | None], treatmen
     with it so that a changed runner can be refused at confirm. supersedes: hashes (or prefixes of at least 12
     hex digits) of plans that already confirmed or started cells of this one, with the `reason`.
     n_confirm: problems in the confirm split (default: known for math500), to refuse limits that
-    leave a cell without pairs."""
+    leave a cell without pairs. model_contents: {model: sha256 of its weights and configuration} for
+    models named by path, which a cell's identity names by content (module docstring)."""
     models = list(dict.fromkeys(models))
     budgets = list(dict.fromkeys(budgets))
     if not models or not budgets:
@@ -175,6 +178,11 @@ def build_plan(*, models: Iterable[str], budgets: Iterable[int | None], treatmen
     }
     if dataset != DEFAULT_DATASET:
         plan["dataset"] = dataset
+    if model_contents:
+        unknown = sorted(set(model_contents) - set(models))
+        if unknown:
+            raise ProtocolError(f"model content given for a model not in the plan: {unknown}")
+        plan["model_contents"] = dict(model_contents)
     if runner is not None:
         plan["runner"] = runner
         if runner_sources:
@@ -206,13 +214,14 @@ def plan_hash(plan: dict) -> str:
 
 
 def _numbers(x):
-    """Numbers as floats (1 and 1.0 are the same setting), recursively."""
+    """Numbers as floats at the compared precision (1 and 1.0, -0.0 and 0.0, 0.7 and
+    0.7000000000000001 are the same setting: `protocol.numbers`), recursively."""
     if isinstance(x, dict):
         return {k: _numbers(v) for k, v in x.items()}
     if isinstance(x, list):
         return [_numbers(v) for v in x]
     if isinstance(x, (int, float)) and not isinstance(x, bool):
-        return float(x)
+        return identity_number(x)
     return x
 
 
@@ -224,6 +233,7 @@ def _arm_identity(arm: dict, stats_sha256: str | None) -> dict:
         if key in _ARM_DEFAULTS and _numbers(value) == _numbers(_ARM_DEFAULTS[key]):
             continue
         out[key] = value
+    _plugins_by_code(out)
     params = dict(out.get("scorer_params") or {})
     params.pop("stats", None)  # a path: the statistics are identified by their sha256 below
     out["scorer_params"] = params
@@ -231,11 +241,28 @@ def _arm_identity(arm: dict, stats_sha256: str | None) -> dict:
     return _numbers(out)
 
 
+def _plugins_by_code(arm: dict) -> None:
+    """Name every plugin of an arm by what it runs (its identity's `code_sha256`) rather than by how
+    it was named (an entry point, `module:Class`, a file path): one plugin under two names is one
+    cell. Identities without the key (registered before it) keep their names."""
+    plugin = arm.get("scorer_plugin")
+    if isinstance(plugin, dict) and plugin.get("code_sha256"):
+        arm["scorer"] = f"code:{plugin['code_sha256']}"
+        arm["scorer_plugin"] = {"code_sha256": plugin["code_sha256"]}
+    for key, value in list(arm.items()):
+        mech = value.get("plugin") if isinstance(value, dict) else None
+        if isinstance(mech, dict) and mech.get("code_sha256"):
+            arm[key] = dict(value, name=f"code:{mech['code_sha256']}", plugin={"code_sha256": mech["code_sha256"]})
+
+
 def cell_identity(plan: dict, cell: dict) -> dict:
     """What a cell compares (module docstring): equal identities are the same hypothesis."""
     stats = cell.get("stats_sha256") or {}
+    # A model a plan names by path is the content of its weights and configuration (a copied folder
+    # is the same model): `model_contents` pins it (absent in plans written before, which keep their keys).
+    content = (plan.get("model_contents") or {}).get(cell["model"])
     return {
-        "model": cell["model"],
+        "model": f"content:{content}" if content else cell["model"],
         "model_revision": (plan.get("model_revisions") or {}).get(cell["model"]),
         "budget": cell["budget"],
         "accounting": {arm: plan[arm].get("accounting", "mean") for arm in ARMS},

@@ -30,6 +30,37 @@ def _fmt_budget(b) -> str:
     return "full" if b is None else str(b)
 
 
+def budget_label(arm: dict) -> str:
+    """An arm's budget as it was given: KiB for a `--budget-bytes` arm (never the token figure it
+    was matched by), tokens otherwise."""
+    kib = arm.get("budget_kib")
+    return f"{float(kib):g} KiB" if kib is not None else _fmt_budget(arm.get("budget"))
+
+
+def matched_unit(arms: list[dict]) -> str:
+    """What a pairing of arms matched: KiB when an arm was given in KiB, else tokens ("full": no budget)."""
+    if any(a.get("budget_kib") is not None for a in arms):
+        return "KiB"
+    return "full" if all(a.get("budget") is None for a in arms) else "tokens"
+
+
+def _measured(row: dict, prefix: str) -> str:
+    """An arm's measured mean cache: tokens per (layer, KV head) and KiB per sequence."""
+    tok, kib = row.get(f"{prefix}cache_mean_tokens"), row.get(f"{prefix}cache_mean_kib")
+    return f"{_fmt_num(tok, '.1f')} tok / {_fmt_num(kib, '.1f')} KiB"
+
+
+def _pair_arms(rep, row: dict) -> list[dict]:
+    by_run = {a.get("run_id"): a for a in rep.arms}
+    return [by_run.get(row.get("treatment_run"), {}), by_run.get(row.get("baseline_run"), {})]
+
+
+def _pair_budget(rep, row: dict) -> str:
+    arms = _pair_arms(rep, row)
+    labels = list(dict.fromkeys(budget_label(a) for a in arms if a))
+    return " vs ".join(labels) if labels else _fmt_budget(row.get("budget"))
+
+
 def _fmt_p(p) -> str:
     if p is None or (isinstance(p, float) and np.isnan(p)):
         return "--"
@@ -57,20 +88,22 @@ def terminal_summary(rep) -> str:
     """A compact text table of the arms, one of the comparisons, and one line per diagnostic."""
     arm_head = ["arm", "model", "data", "budget", "acct", "acc %", "mean cache", "peak", "KiB mean", "out len",
                 "trunc %", "KL mean", "top-1 %", "1st div", "tok/s"]
-    arm_body = [[a["label"], _model(a["model"], a.get("model_quant")), _data(a), _fmt_budget(a["budget"]), a["accounting"], f"{100 * a['accuracy']:.1f}",
+    arm_body = [[a["label"], _model(a["model"], a.get("model_quant")), _data(a), budget_label(a), a["accounting"],
+                 f"{100 * a['accuracy']:.1f}",
                  f"{a['cache_mean_tokens']:.1f}", f"{a['cache_peak_tokens']:.0f}", f"{a['cache_mean_kib']:.0f}",
                  f"{a['mean_output_tokens']:.0f}", f"{100 * a['truncation_rate']:.0f}",
                  _fmt_num(a["kl_mean"], ".4f"), _fmt_num(100 * a["top1_agreement"], ".1f"),
                  _fmt_num(a["first_divergence_median"], ".0f"), f"{a['tokens_per_second']:.1f}"]
                 for a in rep.arms]
     head = ["model", "data", "budget", "treatment vs baseline", "acct", "acc T", "acc B", "Δ pp",
-            "95% CI", "p", "p_bonf", "verdict", "n", "k"]
-    body = [[_model(r["model"], r.get("t_model_quant")), _data(r), _fmt_budget(r["budget"]),
+            "95% CI", "p", "p_bonf", "verdict", "n", "k", "matched", "cache T", "cache B"]
+    body = [[_model(r["model"], r.get("t_model_quant")), _data(r), _pair_budget(rep, r),
              f"{r['treatment']} vs {r['baseline']}",
              r["accounting"], f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
              f"{r['delta_pp']:+.2f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
              _fmt_p(r["p_bootstrap"]), _fmt_p(r["p_bonferroni"]), r["verdict"], str(r["n"]),
-             str(r["k"])] for r in rep.comparisons]
+             str(r["k"]), matched_unit(_pair_arms(rep, r)), _measured(r, "t_"), _measured(r, "b_")]
+            for r in rep.comparisons]
     out = [*unconfirmed_banner(rep), _text_table(arm_head, arm_body, left=3), "",
            _text_table(head, body, left=3), *test_lines(rep)]
     for r in rep.comparisons:
@@ -176,12 +209,13 @@ def _tabular(caption: str, label: str, spec: str, header: list[str], rows: list[
 def to_latex(rep) -> str:
     """LaTeX tables (booktabs rules only: \\toprule, \\midrule, \\bottomrule)."""
     main = [[tex_escape(_model(r["model"], r.get("t_model_quant"))), tex_escape(_data(r)),
-             _fmt_budget(r["budget"]), tex_escape(r["treatment"]),
+             tex_escape(_pair_budget(rep, r)), tex_escape(r["treatment"]),
              tex_escape(r["baseline"]), tex_escape(r["accounting"]),
              f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
              f"{r['delta_pp']:+.1f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
              f"[{r['ci_bonf_lo_pp']:+.1f}, {r['ci_bonf_hi_pp']:+.1f}]", _tex_p(r["p_bootstrap"]),
-             _tex_p(r["p_bonferroni"]), tex_escape(r["verdict"]), str(r["k"]), str(r["n"])]
+             _tex_p(r["p_bonferroni"]), tex_escape(r["verdict"]), str(r["k"]), str(r["n"]),
+             matched_unit(_pair_arms(rep, r)), tex_escape(_measured(r, "t_")), tex_escape(_measured(r, "b_"))]
             for r in rep.comparisons]
     tests = tests_used(rep)
     level = (f"{100 * (1 - tests[0]['alpha'] / tests[0]['m']):.4g}\\% CI" if len(tests) == 1
@@ -190,13 +224,14 @@ def to_latex(rep) -> str:
                           f"Bonferroni over $m={t['m']}$ cells at $\\alpha={t['alpha']}$" for t in tests)
     out = ["% Generated by `retention report`; needs \\usepackage{booktabs}.",
            _tabular(f"Paired accuracy per cell (cluster bootstrap over problems; {described}).",
-                    "tab:retention-main", "llllllrrrccrrlrr",
+                    "tab:retention-main", "llllllrrrccrrlrrlll",
                     ["Model", "Data", "Budget", "Treatment", "Baseline", "Acct.", "Acc.~T (\\%)",
                      "Acc.~B (\\%)", "$\\Delta$ (pp)", "95\\% CI",
-                     level, "$p$", "$p_{\\mathrm{Bonf}}$", "Verdict", "$k$", "$n$"],
+                     level, "$p$", "$p_{\\mathrm{Bonf}}$", "Verdict", "$k$", "$n$", "Matched",
+                     "Cache T", "Cache B"],
                     main)]
     arms = [[tex_escape(_model(a["model"], a.get("model_quant"))), tex_escape(_data(a)),
-             _fmt_budget(a["budget"]), tex_escape(a["label"]),
+             tex_escape(budget_label(a)), tex_escape(a["label"]),
              tex_escape(a["accounting"]), f"{100 * a['accuracy']:.1f}",
              _tex_num(a["cache_mean_tokens"], ".0f"), _tex_num(a["cache_peak_tokens"], ".0f"),
              _tex_num(a["kib_per_token"], ".1f"), _tex_num(a["mean_output_tokens"], ".0f"),

@@ -24,6 +24,7 @@ from protocol.provenance import confirmation_status, is_confirm_run, provenance 
 from protocol.render import (REPORT_LISTING, json_safe, tex_escape, terminal_summary,  # noqa: F401
                              to_latex, unconfirmed_banner, write_report)
 from protocol.report_fidelity import fidelity_comparisons
+from protocol.run_types import check_run
 from protocol.runs import (Run, assign_labels, correct, find_run_dirs, load_run, pair_runs,  # noqa: F401
                            refuse_duplicates, sizing_notes)
 from protocol.splits import problems_by_id
@@ -88,6 +89,8 @@ def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int 
     """`build_report` over runs already loaded (`load_run(..., with_trace=True)`)."""
     if len(runs) < 2:
         raise ProtocolError("a report needs at least two runs (a treatment and a baseline)")
+    for run in runs:  # a string where a number belongs: one line naming the file and record
+        check_run(run)
     refuse_duplicates(runs)
     assign_labels(runs)
     pairs, notes = plan_comparisons(runs, baseline)

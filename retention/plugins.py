@@ -10,18 +10,23 @@
 
 A plugin is a subclass of `retention.scorers.Scorer` (the interface is documented in
 `retention.scorers.base`). Its identity is part of the arm: `class_identity` gives the spec, the
-distribution and version when the module belongs to an installed distribution, and the sha256 of its
-source file(s) (the module's file, or every `*.py` file of the module's own package folder), so the
-configuration hash changes when the plugin's code does. A plugin that fails to import, or names no
+distribution and version when the module belongs to an installed distribution, the sha256 of its
+source file(s) (the module's file, or every `*.py` file of the module's own package folder, and every
+module its import loaded that belongs to no installed distribution and not to this project, wherever it
+lives), so the configuration hash changes when the plugin's code does, and `code_sha256` (its class
+and those contents, without names): what a plan's cell names it by, so one plugin under two names
+is one cell. A plugin that fails to import, or names no
 such class, or whose class is not a `Scorer`, is one `RetentionError` naming the plugin.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -33,10 +38,12 @@ GROUP = "retention.scorers"
 # Keys of a plugin's identity that may change between code versions of the same plugin: they are in
 # the configuration hash (a changed plugin is refused) but not in the run id (so the refusal fires
 # on the existing run directory instead of a fresh one being started silently).
-VOLATILE_KEYS = ("version", "sources_sha256")
+VOLATILE_KEYS = ("version", "sources_sha256", "code_sha256")
 MAX_SOURCE_FILES = 200
 
 _loaded: dict[str, type] = {}
+# Module name of a plugin class -> files of the outside modules its import loaded (`_outside_files`).
+_imported: dict[str, set[Path]] = {}
 
 
 def is_spec(name: str) -> bool:
@@ -101,6 +108,7 @@ def load_plugin(name: str, base: type, group: str = GROUP, family: str = "scorer
     where, _, attr = target.rpartition(":")
     if not where or not attr:
         raise RetentionError(f"{family} plugin {name!r}: expected package.module:Class or path/to/file.py:Class")
+    before = set(sys.modules)
     try:
         module = _import_file(Path(where)) if where.endswith(".py") else importlib.import_module(where)
         cls = module
@@ -118,7 +126,35 @@ def load_plugin(name: str, base: type, group: str = GROUP, family: str = "scorer
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise RetentionError(f"{family} plugin {name!r} ({how} {target}) is not a {_base_name(base, family)} subclass")
     _loaded[key] = cls
+    _imported.setdefault(cls.__module__, set()).update(_outside_files(set(sys.modules) - before))
     return cls
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_tops() -> frozenset[str]:
+    """Top-level names of installed distributions' modules (read once per process)."""
+    return frozenset(metadata.packages_distributions())
+
+
+def loaded_outside_since(before: set[str]) -> list[Path]:
+    """Source files of outside modules (`_outside_files`) imported since `before` (a `set(sys.modules)`
+    taken before a run): code a plugin loaded while decoding, which its identity did not cover."""
+    return sorted(_outside_files(set(sys.modules) - before) - {f for fs in _imported.values() for f in fs})
+
+
+def _outside_files(names) -> set[Path]:
+    """Source files of modules `names` that belong to no installed distribution, not to this project
+    and not to the standard library: code a plugin pulled in from anywhere (`PYTHONPATH`, the working
+    directory) that decides what it computes as much as its own file does."""
+    skip = _installed_tops() | {"retention", "protocol"} | set(sys.stdlib_module_names)
+    files = set()
+    for name in names:
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if not path or name.partition(".")[0] in skip or name.startswith("retention_plugin_") or not path.endswith(".py"):
+            continue
+        files.add(Path(path).resolve())
+    return files
 
 
 def _base_name(base: type, family: str) -> str:
@@ -184,9 +220,16 @@ def class_identity(cls: type, spec: str) -> dict:
     notebook) is hashed from its source text, keyed `module:qualname`."""
     root, files = source_files(cls)
     module = sys.modules.get(cls.__module__)
+    # Outside modules its import loaded, and those its namespace refers to (loaded before it, by
+    # another name of the same plugin): both decide what it computes.
+    refs = {getattr(v, "__name__", "") if inspect.ismodule(v) else getattr(v, "__module__", "") or ""
+            for v in vars(module).values()} if module is not None else set()
+    extra = sorted((_imported.get(cls.__module__, set()) | _outside_files(refs)) - set(files)) if files else []
     dist, version = (None, None) if module is None or module.__name__.startswith("retention_plugin_") or not files \
         else _distribution(module)
     shas = {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    # Modules its import loaded from elsewhere, by their real path (they have no place under root).
+    shas.update({p.as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in extra})
     if not files:  # no file: the class's own source text is what identifies it
         try:
             text = inspect.getsource(cls)
@@ -203,7 +246,16 @@ def class_identity(cls: type, spec: str) -> dict:
             fields = sorted((k, repr(v)) for k, v in vars(cls).items() if not callable(v) and not k.startswith("__"))
             text = "\n".join([repr(fields), *methods])
         shas = {f"{cls.__module__}:{cls.__qualname__}": hashlib.sha256(text.encode()).hexdigest()}
-    return {"spec": spec, "distribution": dist, "version": version, "sources_sha256": shas}
+    return {"spec": spec, "distribution": dist, "version": version, "sources_sha256": shas,
+            "code_sha256": code_sha256(cls.__qualname__, shas)}
+
+
+def code_sha256(qualname: str, sources: dict[str, str]) -> str:
+    """What a plugin runs, whatever it is named by: its class's name and the contents of its source
+    files (not their names or folder: the same file reached by an entry point and by its path is one
+    plugin, so one cell of a plan: `protocol.plans.cell_identity`)."""
+    body = json.dumps({"class": qualname, "sources": sorted(sources.values())})
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def register_class(cls: type, base: type) -> str:
@@ -238,6 +290,9 @@ def differing_keys(a, b, prefix: str = "") -> list[str]:
                 out.append(sub)
             else:
                 out += differing_keys(a[key], b[key], sub)
+        code = f"{prefix}.code_sha256" if prefix else "code_sha256"
+        if code in out and any(k.startswith(code.replace("code_sha256", "sources_sha256")) for k in out):
+            out.remove(code)  # derived from the sources: the files that differ say more
         return out
     return [] if a == b and type(a) is type(b) else [prefix or "(value)"]
 
@@ -245,6 +300,8 @@ def differing_keys(a, b, prefix: str = "") -> list[str]:
 def check_registered(registered, current, family: str = "scorer") -> None:
     """Refuse a plugin (of `family`) whose identity differs from the one registered in a plan or run,
     naming what changed."""
+    if isinstance(registered, dict) and isinstance(current, dict) and "code_sha256" not in registered:
+        current = {k: v for k, v in current.items() if k != "code_sha256"}  # registered before the key
     if registered is None or registered == current:
         return
     keys = differing_keys({f"{family}_plugin": registered}, {f"{family}_plugin": current})

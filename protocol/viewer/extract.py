@@ -24,6 +24,7 @@ from protocol.diagnostics import summarize_run
 from protocol.errors import ProtocolError
 from protocol.failure_modes import _reference, divergence_token
 from protocol.render import json_safe, test_lines
+from protocol.run_types import check_run
 from protocol.runs import Run
 from protocol.viewer.cachemap import cache_map
 
@@ -78,7 +79,7 @@ class SiteData:
                 continue
             ref = recs.get(arm.ref) if arm.ref else None
             line = self.traces[arm.key].get((pid, sample)) if arm.key in self.traces else None
-            out["arms"][arm.key] = record_view(rec, line, ref, self.pieces[arm.key])
+            out["arms"][arm.key] = record_view(rec, line, ref, self.pieces[arm.key], _trace_state(arm.run))
         return out  # strict JSON already (records and traces are read strictly; `site` writes strictly)
 
     def payloads(self) -> Iterator[tuple[int, dict]]:
@@ -106,8 +107,12 @@ def token_lengths(pieces: list[str], text: str) -> dict | None:
     return {"o": utf16_len(text[:len(text) - len(joined)]), "lens": [utf16_len(p) for p in pieces]}
 
 
-def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces | None) -> dict:
-    """One arm's record of a (problem, sample) as the problem page shows it."""
+def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces | None,
+                trace_state: str = "none") -> dict:
+    """One arm's record of a (problem, sample) as the problem page shows it. `trace`: "ok", or why there
+    is no cache map: "none" (its trace line holds none), or, without a line, `trace_state` ("none": the run
+    was not traced; "missing": it was, and this record has no trace line; "truncated": it was, and its
+    trace file ended in a half-written line)."""
     text = rec.get("text") or ""
     ids = [int(t) for t in rec.get("output_token_ids") or []]
     out = {k: rec.get(k) for k in RECORD_FIELDS}
@@ -119,7 +124,7 @@ def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces |
         out["div"] = {"token": divergence_token(ids, ref_ids), "char": common_prefix(text, ref.get("text") or ""),
                       "changed": answer_changed(rec, ref)}
     cache = (line or {}).get("cache")
-    out["trace"] = "ok" if isinstance(cache, dict) else "none"
+    out["trace"] = "ok" if isinstance(cache, dict) else "none" if line is not None else trace_state
     if out["trace"] == "ok":
         try:
             out["map"] = cache_map(cache)
@@ -128,6 +133,16 @@ def record_view(rec: dict, line: dict | None, ref: dict | None, pieces: Pieces |
                                 f"trace ({type(exc).__name__}: {exc})") from None
         out["kl"], out["top1"] = cache.get("kl"), cache.get("top1")  # rounded by the trace already
     return out
+
+
+def _trace_state(run: Run) -> str:
+    """What a record of `run` without a trace line means: the run was not traced ("none"), or it was
+    and the line is missing ("missing"), or the trace file ended in a half-written line ("truncated")."""
+    if not run.meta.get("trace"):
+        return "none"
+    if any("dropped a half-written last line" in w and "trace" in w for w in run.warnings):
+        return "truncated"
+    return "missing"
 
 
 def answer_changed(rec: dict, ref: dict) -> bool:
@@ -178,6 +193,8 @@ def site_data(runs: list[Run], report=None, *, pieces: Callable[[str], Pieces | 
     pieces: model name -> a function decoding output token ids into per-token texts (None: no tokenizer)."""
     if not runs:
         raise ProtocolError("nothing to view: no runs")
+    for run in runs:  # every number the page shows is a number (`protocol.run_types`)
+        check_run(run)
     models = list(dict.fromkeys(r.model for r in runs))
     ordered = sorted(runs, key=lambda r: (models.index(r.model), budget_key(r.budget), str(r.split), r.label,
                                           r.accounting))

@@ -41,13 +41,19 @@ def current_code_version() -> str:
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
                                 "--untracked-files=no"], capture_output=True, text=True,
                                timeout=5, env=env, check=True).stdout.strip()
+        # An untracked module under the package folders (one shadowing a tracked one, say) runs as
+        # much as a tracked edit does; untracked files elsewhere (results, notes) are not code.
+        dirty = dirty or subprocess.run(["git", "-C", str(root), "ls-files", "--others", "--exclude-standard",
+                                         "--", "retention", "protocol"], capture_output=True, text=True,
+                                        timeout=5, env=env, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return __version__
     return f"{__version__}+g{sha}{'.dirty' if dirty else ''}"
 
 
 def tree_is_dirty() -> bool:
-    """Whether this checkout has uncommitted changes to tracked files (False outside a git checkout:
+    """Whether this checkout has uncommitted changes to tracked files or untracked files under its
+    package folders (False outside a git checkout:
     an installed package is whatever version it was built from)."""
     return current_code_version().endswith(".dirty")
 
@@ -216,6 +222,9 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     # Each arm of each cell exactly as `run` would validate it; the calibration statistics each
     # resolves to are recorded by content, per cell (each model has its own).
     plan = prereg.with_cell_stats(plan, validate_plan(plan))
+    from retention.runs.smoke import check_plan_runs
+
+    check_plan_runs(plan)  # built as confirm builds it; a plugin through its cheap checks on tiny-random
     path, h, written = prereg.write_plan(plan, out)  # refuses an unacknowledged repeat of a cell
     state = "registered" if written else "already registered (unchanged)"
     click.echo(f"plan {h[:12]} {state}: {path}")

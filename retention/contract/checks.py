@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -41,12 +42,13 @@ from types import SimpleNamespace
 
 import torch
 
-from retention.contract.probe import MAX_NOTES, CheckedPolicy, Phased, Probe, count_host_reads
+from retention.contract.probe import MAX_NOTES, CheckedDecoding, CheckedPolicy, Phased, Probe, count_host_reads
 from retention.errors import RetentionError
 from retention.models import load_model, resolve_model
 from retention.runs.arms import check_scorer_reads, validate_arm
 from retention.runs.runner import Arm, RunDir, run_arms
 from retention.runs.scorer_options import scorer_fields
+from retention.runtime.cadence import Cadence
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
 from retention.runtime.policy import RetentionPolicy, cadence_for
 from retention.scorers import make_scorer
@@ -106,8 +108,10 @@ class _Kit:
         (the routing's and the state's host reads at compactions reported with the scorer's)."""
         p = self.arm.policy()
         p.prepare(self.loaded.tokenizer)
+        decoding = getattr(p.decoding, "inner", p.decoding)  # the kit checks it itself (no run guard)
         return (CheckedPolicy if checked else RetentionPolicy)(scorer, p.cadence, Phased(p.routing, scorer),
-                                                               Phased(p.state, scorer), p.decoding)
+                                                               Phased(p.state, scorer),
+                                                               CheckedDecoding(decoding) if checked else decoding)
 
     def decode(self, batch_size: int, eos=frozenset(), checks=True, scorer=None, new_tokens=None):
         """One engine run over PROMPTS: ({seed: Generation}, probe, policy, engine stats)."""
@@ -185,7 +189,7 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
     except Exception as exc:  # noqa: BLE001 - a scorer that cannot decode fails every decode check
         what = f"decoding raised {type(exc).__name__}: {exc}"
         names = ("score shape and dtype", "kept count", "view unchanged", "protected tokens kept", "padding never kept",
-                 "physical eviction", "mean budget held", "batch invariance")
+                 "physical eviction", "bytes recounted", "decoding output", "mean budget held", "batch invariance")
         results += [CheckResult(n, False, what) for n in names]
         single = batched = None
     if single is not None:
@@ -213,10 +217,16 @@ def _all_checks(kit: _Kit, context, share, share_budget, share_tokens) -> list[C
                                    "rows of different lengths" if evicts else note))
         results.append(_violations("physical eviction", pol1.violations + pol8.violations,
                                    "buffers hold the kept positions; stored = meter = bytes after every forward"))
+        results.append(_violations("bytes recounted", pol1.byte_violations + pol8.byte_violations,
+                                   "every row's metered KiB finite and not below what its buffers need "
+                                   "(recounted from the stored values)"))
+        results.append(_violations("decoding output", pol1.decoding.violations + pol8.decoding.violations,
+                                   "every adjusted logits tensor has the given shape and dtype, no NaN or +inf, "
+                                   "a token left to draw in every row"))
         if kit.arm.policy().routing.allocates:
             results.append(_allocation(p8, kit))
         over = [f"sequence {i}: mean {g.meter.mean:.2f} > {kit.budget}" for gens in (g1, g8)
-                for i, g in sorted(gens.items()) if g.meter.exceeded]
+                for i, g in sorted(gens.items()) if g.meter.exceeded or not math.isfinite(g.meter.mean)]
         worst = max((g.meter.mean for g in g8.values()), default=0.0)
         results.append(_violations("mean budget held", over, f"largest mean cache {worst:.2f} <= budget {kit.budget}"
                                    if evicts else "never evicts (no budget)"))
@@ -265,11 +275,16 @@ def _padded_views(kit: _Kit) -> Probe:
     probe = Probe(kit.make())
     if not kit.sc0.evicts:
         return probe
+    # Under the fixed cadence at the arm's b and interval: padding is the scorer's to handle, and a
+    # cadence that keeps rows apart (newline's wait) must not leave the check without a padded view.
+    c = kit.cadence
+    fixed = Cadence(budget=c.budget, interval=c.interval, accounting=c.accounting, sink=c.sink, recent=c.recent,
+                    protect_prompt=c.protect_prompt)
     # Prompts of b-3 .. b tokens: never compacted at prefill, so the rows keep lengths that differ by
     # less than the interval, whatever tokens the scorer leads to.
-    b = kit.cadence.nominal
+    b = fixed.nominal
     reqs = [Request(i, list(range(3, 3 + n)), i) for i, n in enumerate(range(max(1, b - 3), b + 1))]
-    run_engine(kit.m64, reqs, _PaddingPolicy(probe, kit.cadence), SamplingConfig(max_new_tokens=kit.new_tokens,
+    run_engine(kit.m64, reqs, _PaddingPolicy(probe, fixed), SamplingConfig(max_new_tokens=kit.new_tokens,
                ignore_eos=True), set(), 1.0, batch_size=8)
     probe.view_rows = [n for n, padded in zip(probe.view_rows, probe.padded) if padded]
     return probe

@@ -106,7 +106,7 @@ def _bytes_held(family: str, entry: dict, scorer: str, tmp: Path) -> CheckResult
     gens, _, _, _ = kit.decode(8, checks=False)
     limit = kit.budget * 1.0  # the kit decodes at 1 KiB per full-precision token
     over = [f"sequence {k}: mean {g.meter.mean_kib:.3f} KiB > {limit:.3f}" for k, g in sorted(gens.items())
-            if g.meter.mean_kib > limit + 1e-9]
+            if not g.meter.mean_kib <= limit + 1e-9]  # a NaN figure fails too
     worst = max(g.meter.mean_kib for g in gens.values())
     return CheckResult("budget held in bytes", not over, "; ".join(over[:3]) or
                        f"largest mean {worst:.3f} KiB <= {limit:.3f} KiB (budget {kit.budget} tokens in full precision)")

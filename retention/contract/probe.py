@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retention.runtime.policy import RetentionPolicy
+from retention.errors import RetentionError
 from retention.runtime import syncs
+from retention.runtime.guard import figure_refusal, logits_refusal, outgrown, stored_kib_floor
+from retention.runtime.policy import RetentionPolicy
 
 MAX_NOTES = 3  # violations quoted per check
 
@@ -228,24 +230,56 @@ class Phased:
         return call
 
 
+class CheckedDecoding:
+    """A decoding whose every output is checked against the logits it was given (`logits_refusal`);
+    a broken output is noted and replaced by the logits given, so the decode goes on to the other checks."""
+
+    def __init__(self, inner):
+        self.inner = getattr(inner, "inner", inner)  # never the run's own guard: the kit names the check
+        self.violations: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def adjust(self, logits, rows, histories):
+        out = self.inner.adjust(logits, rows, histories)
+        refusal = logits_refusal(self.inner.name, logits, out)
+        if refusal is None:
+            return out
+        if len(self.violations) < MAX_NOTES:
+            self.violations.append(refusal)
+        return logits
+
+
 @dataclass
 class CheckedPolicy(RetentionPolicy):
     """A policy that checks physical eviction after every forward: each row stores exactly what its
     meter counts (and what it kept: the positions in the buffers after a compaction are the kept
-    ones), and the bytes stored are the bytes of that many tokens."""
+    ones), and the bytes stored are the bytes of that many tokens; that the routing's keep holds the
+    cadence's `k` per head; that the metered KiB are finite and not below what the buffers can be
+    stored in (`retention.runtime.guard.stored_kib_floor`: believes nothing the state says); and that
+    no row outgrows `b + span` (a cadence that lets it is refused in one line naming it)."""
 
     violations: list[str] = field(default_factory=list)
+    byte_violations: list[str] = field(default_factory=list)
 
     def select(self, view, k: int):
         keep, allocation = super().select(view, k)
         if allocation is not None:
             self.scorer.allocated(keep, allocation, view, k)
+        elif isinstance(keep, torch.Tensor) and keep.shape[-1] != k:  # what the cache will hold, not what the scorer said
+            self.scorer._note("kept count", f"the routing kept {keep.shape[-1]} tokens per head at a compaction to "
+                                            f"k = {k}")
         return keep, allocation
 
     def after_forward(self, cache, next_position, meter, prefill: bool, tokens=None) -> bool:
         probe = self.scorer
         before = dict(probe.last_kept)
         did = super().after_forward(cache, next_position, meter, prefill, tokens)
+        c = self.cadence
+        refusal = outgrown(cache, c) if probe.evicts and not prefill else None
+        if refusal is not None:
+            raise RetentionError(f"mean budget held: {refusal}")
         if len(self.violations) >= MAX_NOTES or cache.layers[0].kbuf is None:
             return did
         meters = [meter] if not isinstance(meter, list) else meter
@@ -281,7 +315,14 @@ class CheckedPolicy(RetentionPolicy):
                 metered = self.state.row_kib(cache, r, kpt)
                 recount = self.state.stored_kib(cache, r, kpt)
             metered = cache.lengths[r] * kpt if metered is None else metered
-            if abs(metered - recount) > 1e-9 * max(1.0, recount):
+            bad = figure_refusal(f"the meter's KiB of a row ({self.state.name} state)", metered)
+            floor = stored_kib_floor(cache, r, self.state, kpt)
+            if bad is None and metered < floor * (1 - 1e-9):
+                bad = (f"the meter counts {metered:.6g} KiB in a row whose buffers need at least {floor:.6g} KiB "
+                       f"({self.state.name} state; recounted from the stored values)")
+            if bad is not None and len(self.byte_violations) < MAX_NOTES:
+                self.byte_violations.append(bad)
+            if abs(metered - recount) > 1e-9 * max(1.0, recount):  # the state's own recount, as before
                 self.violations.append(f"the meter counts {metered:.6g} KiB in a row whose buffers hold "
                                        f"{recount:.6g} KiB ({self.state.name} state)")
                 break

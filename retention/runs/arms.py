@@ -18,8 +18,10 @@ from protocol.prereg import ARMS, arm_config
 from retention.errors import RetentionError
 from retention.models import model_layout, resolve_device, resolve_dtype, resolve_model
 from retention.plugins import check_registered
+from retention.runs.canonical import canonical_values, is_trivial, typed_params
 from retention.runs.scorer_options import scorer_fields
 from protocol.io import canonical_json
+from protocol.numbers import canonical_value
 from retention.runs.spec import ArmSpec, MechanismSpec
 from retention.runtime.adapter import provides
 from retention.runtime.cadence import REFERENCE_INTERVAL
@@ -65,10 +67,11 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
             raise RetentionError(f"routing {routing_name!r} allocates per layer; {scorer}.routing={params['routing']} "
                                  "shares one kept set over the layers (leave it unset)")
         params["routing"] = "per-layer"
+    params = typed_params(cls, params, scorer)
     scorer_obj = make_scorer(scorer, **params)  # validates parameters now, not in the middle of a run
     unset = set(getattr(cls, "unrecorded_when_unset", ()))  # newer parameters: recorded once set
-    params = {k: getattr(scorer_obj, k) for k in sorted(fields)
-              if not k.startswith("_") and not (k in unset and getattr(scorer_obj, k) is None)}
+    params = canonical_values({k: getattr(scorer_obj, k) for k in sorted(fields)
+                               if not k.startswith("_") and not (k in unset and getattr(scorer_obj, k) is None)}, scorer)
     extra = {}
     if "stats" in params:
         params["stats"], extra["stats_sha256"] = _resolve_stats(params["stats"], base["model"])
@@ -81,6 +84,7 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
         specs[fam], objs[fam] = _resolve_mechanism(fam, name, mparams, registered)
     cname, cparams, cregistered = given["cadence"]
     cspec, _ = _resolve_mechanism("cadence", cname, cparams, cregistered)
+    cname = cspec.name  # a trivial setting resolves to the default cadence
     _check_families(scorer, cls.evicts, {**specs, "cadence": cspec})
     objs["state"].check(head_dims)
     if cls.evicts:
@@ -131,13 +135,16 @@ def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | Non
     unknown = sorted(set(params) - set(fields))
     if unknown:
         raise RetentionError(f"{fam} {name!r} has no parameter(s) {unknown}; it takes {sorted(fields) or 'none'}")
-    if fam == "cadence":  # built at the arm's budget later; here only its own parameters are checked
-        obj = make_mechanism(fam, name, params, budget=None, interval=1)
-    else:
-        obj = make_mechanism(fam, name, params)
-    resolved = {k: getattr(obj, k) for k in sorted(fields)}
+    params = typed_params(mechanism_class(fam, name), params, name)
+    build = {"budget": None, "interval": 1} if fam == "cadence" else {}  # a cadence is built at its budget later
+    obj = make_mechanism(fam, name, params, **build)
     identity = mechanism_identity(fam, name)
     check_registered(registered, identity, fam)
+    default = FAMILIES[fam].default
+    rec = obj  # checked as given (its refusals stand), recorded as what it behaves as
+    if name != default and is_trivial(obj):  # the same cell as the default it behaves as
+        name, fields, rec, identity = default, mechanism_fields(fam, default), make_mechanism(fam, default, {}, **build), None
+    resolved = canonical_values({k: getattr(rec, k) for k in sorted(fields)}, name)
     return MechanismSpec.of(fam, name, resolved, identity), obj
 
 
@@ -211,6 +218,12 @@ def normalize_arm(cfg: dict) -> dict:
     # nothing: both spellings of such an arm are one arm, with the hash it had before the key.
     if cfg.get("sampler") == LEGACY_SAMPLER or (cfg.get("sampler") is not None and cfg.get("temperature", 0.6) == 0):
         del cfg["sampler"]
+    for key in ("temperature", "top_p", "budget_kib"):  # -0.0 is 0.0, 0.6000000000000001 is 0.6
+        if isinstance(cfg.get(key), float):
+            try:
+                cfg[key] = canonical_value(cfg[key])
+            except ValueError as exc:
+                raise RetentionError(f"{key}: {exc}") from None
     if isinstance(cfg.get("scorer"), str) and cfg["scorer"] and "scorer_plugin" not in cfg:
         identity = scorer_identity(cfg["scorer"])
         if identity is not None:
@@ -333,6 +346,9 @@ def validate_arm(cfg: dict):
     except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
     built, config = spec.scorer_params, spec.config
+    refusal = engine_refusal(engine, spec)
+    if refusal is not None:
+        raise RetentionError(refusal)
     # Again with the parameters given (e.g. snapkv's rule keeps one of its alternatives).
     check_scorer_reads(cfg["scorer"], ref, str(cfg.get("dtype", "float32")), make_scorer(cfg["scorer"], **built).reading())
     if built.get("stats"):
@@ -344,6 +360,20 @@ def validate_arm(cfg: dict):
                              f"registered sha256 {str(registered)[:12]}, {built.get('stats')} has "
                              f"{str(config.get('stats_sha256'))[:12]}")
     return spec
+
+
+def engine_refusal(engine: str, spec: ArmSpec) -> str | None:
+    """Why `engine` cannot run arm `spec` (one line), or None. This project's engine runs every
+    mechanism; another engine (vLLM) has no retention cache and no decoding hook, so a mechanism it
+    would never receive (any non-default cadence, routing, state or decoding) is refused rather than
+    recorded as if it ran."""
+    if engine == "hf":
+        return None
+    unsupported = [f"--{fam} {spec.mechanisms[fam].name}" for fam in spec.non_default()]
+    if unsupported:  # (an evicting scorer is refused in its own words: `engines.base.refuse_evicting`)
+        return (f"--engine {engine} cannot run {', '.join(unsupported)}: it would be recorded but never reach the "
+                "engine; run this arm with --engine hf")
+    return None
 
 
 def check_stats_file(path: Path) -> None:

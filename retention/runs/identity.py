@@ -9,7 +9,9 @@ one comparison must be written the same way before a plan is hashed and register
 * a model: an alias by its name (its content is pinned by the code: `aliases.SPLIT_GGUFS`, the
   package-shipped SmolLM2 file, a seeded random model); a GGUF file whose sha256 is an alias's, by
   that alias; any other folder or file by its real path (symlinks, `..`, a trailing slash resolved)
-  with its weights' sha256 pinned as the model revision.
+  with its weights' sha256 pinned as the model revision, and its content (weights, configuration,
+  tokenizer: `retention.models.content`) in the plan's `model_contents`, which names its cells: a
+  copied folder is the same model, so the same cell.
 
 `retention preregister` writes plans in this form; `retention confirm` also checks a plan registered
 before it existed against the registry under the canonical identity of its cells.
@@ -24,6 +26,7 @@ from pathlib import Path
 from protocol.plans import ARMS, arm_config, build_plan, cell_identity, cell_key
 from retention.errors import RetentionError
 from retention.models.aliases import SPLIT_GGUFS, TINY_RANDOM_SEED, resolve_model
+from retention.models.content import content_sha256
 from retention.models.loading import _folder_revision
 from retention.models.weights_cache import sha256_files, smollm2_gguf_path
 from retention.runs.arms import normalize_arm, validate_arm
@@ -35,11 +38,13 @@ _CADENCE_KEYS = ("interval", "sink", "recent")
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """How a plan names a model: `name` (an alias or a real path) and the revision to pin (a content
-    digest; None when the alias itself pins the content, or for a hub model, named by its id)."""
+    """How a plan names a model: `name` (an alias or a real path), the revision to pin (a content
+    digest; None when the alias itself pins the content, or for a hub model, named by its id) and, for
+    a model named by path, the digest of its weights and configuration (`content`) its cells are named by."""
 
     name: str
     revision: str | None
+    content: str | None = None
 
 
 def _smollm2_file() -> Path | None:
@@ -62,15 +67,17 @@ def model_identity(name: str) -> ModelIdentity:
         smol = _smollm2_file()
         if smol is not None and smol.stat().st_size == path.stat().st_size and sha256_files([smol]) == sha:
             return ModelIdentity("smollm2-135m", None)
-        return ModelIdentity(str(path), sha)
+        return ModelIdentity(str(path), sha, sha)
     if ref.kind == "local":
         path = Path(os.path.realpath(ref.source))
-        return ModelIdentity(str(path), _folder_revision(path))
+        return ModelIdentity(str(path), _folder_revision(path), content_sha256(path))
     return ModelIdentity(ref.name, None)  # an alias (hub ids of aliases resolve to the alias)
 
 
-def canonical_models(models, revisions: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The plan's models by canonical name and the revisions to pin, keyed by those names.
+def canonical_models(models, revisions: dict[str, str],
+                     contents: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The plan's models by canonical name and the revisions to pin, keyed by those names; `contents`
+    (when given) receives {name: content digest} of the models named by path.
 
     A given revision (`--model-revision MODEL=REV`, MODEL as written) must be the model's content: a
     differing one is refused; for a content-pinned alias it is left out (the name already pins it); a
@@ -89,6 +96,8 @@ def canonical_models(models, revisions: dict[str, str]) -> tuple[list[str], dict
                 raise RetentionError(f"--model-revision {model}={given} is not that model's content "
                                      f"(its revision is {actual})")
         names.append(ident.name)
+        if contents is not None and ident.content is not None:
+            contents[ident.name] = ident.content
         if ident.revision is not None:
             pinned[ident.name] = ident.revision
         elif given is not None and kind == "hub":
@@ -144,10 +153,12 @@ def canonical_arm(plan: dict, arm: str) -> dict:
 def canonical_plan(**plan_args) -> dict:
     """`protocol.prereg.build_plan(**plan_args)` with canonical models, revisions and arms; a
     treatment that is the baseline spelled differently is refused there."""
-    models, revisions = canonical_models(plan_args.pop("models"), plan_args.pop("model_revisions", None) or {})
-    draft = build_plan(models=models, model_revisions=revisions, **plan_args)
+    contents: dict[str, str] = {}
+    models, revisions = canonical_models(plan_args.pop("models"), plan_args.pop("model_revisions", None) or {},
+                                         contents)
+    draft = build_plan(models=models, model_revisions=revisions, model_contents=contents, **plan_args)
     arms = {arm: canonical_arm(draft, arm) for arm in ARMS}
-    return build_plan(models=models, model_revisions=revisions, **dict(plan_args, **arms))
+    return build_plan(models=models, model_revisions=revisions, model_contents=contents, **dict(plan_args, **arms))
 
 
 def canonical_cell_keys(plan: dict) -> dict[str, str]:
@@ -156,14 +167,17 @@ def canonical_cell_keys(plan: dict) -> dict[str, str]:
     canonical); empty for a canonical plan."""
     models = list(dict.fromkeys(c["model"] for c in plan["cells"]))
     try:
+        contents: dict[str, str] = {}
         names, revisions = canonical_models(models, {m: r for m, r in (plan.get("model_revisions") or {}).items()
-                                                     if m in models})
+                                                     if m in models}, contents)
     except RetentionError:
         return {}  # a model that no longer resolves: confirm refuses it in its own words
     rename = dict(zip(models, names))
     canon = dict(plan, cells=[dict(c, model=rename[c["model"]]) for c in plan["cells"]],
                  model_revisions={**{rename[m]: r for m, r in (plan.get("model_revisions") or {}).items()
                                      if m in rename}, **revisions})
+    if contents:
+        canon["model_contents"] = contents
     canon.update({arm: canonical_arm(canon, arm) for arm in ARMS})
     keys = {}
     for cell, ccell in zip(plan["cells"], canon["cells"]):

@@ -34,11 +34,12 @@ from protocol.shards import record_files
 from retention import __version__
 from retention.errors import RetentionError
 from retention.models import format_prompt, output_text
-from retention.plugins import differing_keys, refuse_other_code, stable_identity
+from retention.plugins import differing_keys, loaded_outside_since, refuse_other_code, stable_identity
 from retention.runs.scale.shard import shard_pairs, shard_size
 from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
 from retention.runtime.engine import Request, SamplingConfig, run_engine
+from retention.runtime.guard import GuardRefusal
 from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.runtime.trace import CacheTracer
 from retention.host import host_fingerprint
@@ -63,7 +64,12 @@ def code_version() -> str:
             capture_output=True, text=True, timeout=5,
         )
         if out.returncode == 0 and out.stdout.strip():
-            return f"{__version__}+g{out.stdout.strip()}"
+            described = out.stdout.strip()
+            untracked = subprocess.run(["git", "-C", str(here.parent), "ls-files", "--others", "--exclude-standard",
+                                        "--", "retention", "protocol"], capture_output=True, text=True, timeout=5)
+            if untracked.stdout.strip() and not described.endswith("-dirty"):
+                described += "-dirty"  # an untracked module under the package folders runs too
+            return f"{__version__}+g{described}"
     except (OSError, subprocess.SubprocessError):
         pass
     return __version__
@@ -414,9 +420,12 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
         if trace:
             policy.tracer = CacheTracer()
         policy.prepare(tok)
+        modules_before = set(sys.modules)
         try:
             run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=S, fidelity=fidelity, max_prompt=longest,
                        on_finish=on_finish, on_step=on_step if progress else None)
+        except GuardRefusal:  # a plugin's broken output: its own line names it (`retention.runtime.guard`)
+            raise
         except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
             plugins = arm.spec.plugins()
             if not plugins:
@@ -425,6 +434,11 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
             raise RetentionError(f"{named} raised during decoding ({type(exc).__name__}: "
                                  f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
                                  "to resume") from exc
+        late = loaded_outside_since(modules_before) if arm.spec.plugins() else []
+        if late:  # code that decided these records but is in no identity: said, not silently mixed
+            raise RetentionError(f"{', '.join(arm.spec.plugins())} imported {late[0]}"
+                                 f"{f' and {len(late) - 1} more' if len(late) > 1 else ''} while decoding: not part "
+                                 "of its identity; import it at the plugin's module level and rerun in a new --out")
     bar.close()
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from protocol.io import canonical_json
 from retention.runtime.cadence import Cadence
+from retention.runtime.guard import GuardedPolicy
 from retention.runtime.mechanisms import FAMILIES, make_mechanism
 from retention.runtime.policy import RetentionPolicy
 from retention.scorers import make_scorer
@@ -97,12 +98,18 @@ class ArmSpec:
         return [f for f, m in self.mechanisms.items() if f != "scorer" and not m.is_default]
 
     def policy(self) -> RetentionPolicy:
-        """Fresh mechanism instances for one run (per-run state never leaks between runs)."""
-        return RetentionPolicy(make_scorer(self.scorer.name, **self.scorer.kwargs), dataclasses.replace(self.cadence),
-                               make_mechanism("routing", self.routing.name, self.routing.kwargs),
-                               make_mechanism("state", self.state.name, self.state.kwargs),
-                               make_mechanism("decoding", self.decoding.name, self.decoding.kwargs),
-                               self.config.get("budget_kib") if self.cadence.evicts else None)
+        """Fresh mechanism instances for one run (per-run state never leaks between runs); an arm with
+        a plugin runs under `GuardedPolicy`, which refuses it in one line at its first compaction when
+        its scores, kept indices, bytes or logits break the contract."""
+        args = (make_scorer(self.scorer.name, **self.scorer.kwargs), dataclasses.replace(self.cadence),
+                make_mechanism("routing", self.routing.name, self.routing.kwargs),
+                make_mechanism("state", self.state.name, self.state.kwargs),
+                make_mechanism("decoding", self.decoding.name, self.decoding.kwargs),
+                self.config.get("budget_kib") if self.cadence.evicts else None)
+        plugins = self.plugins()
+        if plugins:  # a plugin's outputs are checked at its first compactions (`retention.runtime.guard`)
+            return GuardedPolicy(*args, plugins=tuple(plugins))
+        return RetentionPolicy(*args)
 
     @property
     def hash(self) -> str:

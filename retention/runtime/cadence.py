@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from retention.errors import RetentionError
+from retention.runtime.settings import trivial_setting
 
 ACCOUNTING_MODES = ("mean", "prefill", "peak")
 REFERENCE_INTERVAL = 128
@@ -144,6 +145,12 @@ class Cadence:
     def trivial(cls) -> dict | None:
         """Parameters under which this cadence must behave exactly as `fixed` (checked), or None."""
         return None
+
+    def is_trivial(self) -> bool:
+        """Whether this instance is at a setting that behaves exactly as the family's default (its
+        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
+        at `trivial()`'s values."""
+        return trivial_setting(self, self.trivial())
 
     def keep(self, prompt_length: int = 0) -> int:
         """Tokens a compaction keeps: `b`, plus the whole prompt with `protect_prompt`."""

@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 
 from retention.errors import RetentionError
+from retention.runtime.settings import trivial_setting
 
 
 @dataclass
@@ -52,6 +53,12 @@ class Decoding:
     def trivial(cls) -> dict | None:
         """Parameters under which this mechanism must behave exactly as `none` (checked), or None."""
         return None
+
+    def is_trivial(self) -> bool:
+        """Whether this instance is at a setting that behaves exactly as the family's default (its
+        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
+        at `trivial()`'s values."""
+        return trivial_setting(self, self.trivial())
 
 
 @dataclass
@@ -77,6 +84,11 @@ class LoopGuard(Decoding):
     @classmethod
     def trivial(cls) -> dict | None:
         return {"max_repeats": 1 << 30}  # no n-gram repeats that often: nothing is banned
+
+    def is_trivial(self) -> bool:
+        # The window holds fewer n-grams than `window`: an n-gram seen more often than that is never
+        # counted, so nothing is ever banned.
+        return self.max_repeats > self.window
 
     def reset_slot(self, slot: int, seed: int) -> None:
         self._state[slot] = _SlotGrams(self.ngram, self.window)

@@ -52,6 +52,7 @@ from typing import ClassVar
 import torch
 
 from retention.errors import RetentionError
+from retention.runtime.settings import trivial_setting
 from retention.runtime.allocation import (adakv_kept, cap_to_stored, keep_ranks, kept_by_counts, padded_indices,
                                           pyramid_budgets, safeguard_size)
 from retention.runtime.cache import Allocation
@@ -86,6 +87,12 @@ class Routing:
     def trivial(cls) -> dict | None:
         """Parameters under which this routing must behave exactly as `native` (checked), or None."""
         return None
+
+    def is_trivial(self) -> bool:
+        """Whether this instance is at a setting that behaves exactly as the family's default (its
+        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
+        at `trivial()`'s values."""
+        return trivial_setting(self, self.trivial())
 
     def select(self, scorer, scores: torch.Tensor, view, k: int) -> torch.Tensor:
         """Kept indices for `k` tokens per (layer,) row and KV head: the scorer's own selection."""

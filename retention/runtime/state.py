@@ -52,6 +52,7 @@ from typing import ClassVar
 import torch
 
 from retention.errors import RetentionError
+from retention.runtime.settings import trivial_setting
 
 SCALE_BYTES = 2  # a scale or zero point is stored as a 16-bit float
 
@@ -106,6 +107,12 @@ class State:
         """Parameters under which this mechanism must behave exactly as `full` (checked), or None."""
         return None
 
+    def is_trivial(self) -> bool:
+        """Whether this instance is at a setting that behaves exactly as the family's default (its
+        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
+        at `trivial()`'s values."""
+        return trivial_setting(self, self.trivial())
+
     def tokens_for_kib(self, kib: float, kib_per_token: float, head_dims, layers: int, heads: int, span: int) -> int:
         """The token budget `B` whose measured mean stays within `kib` KiB per sequence under this
         state (`span`: the cadence's tokens above `b`); full precision: `kib / kib_per_token`."""
@@ -128,6 +135,10 @@ class Merge(State):
     @classmethod
     def trivial(cls) -> dict | None:
         return {"threshold": 1.01}  # no cosine reaches it: nothing merges
+
+    def is_trivial(self) -> bool:
+        # A cosine never exceeds 1 by more than rounding: any threshold above that merges nothing.
+        return self.threshold > 1.0 + 1e-3
 
     def before_compaction(self, cache, rows, keep, view) -> None:
         dev = keep.device

@@ -55,7 +55,7 @@ def test_run_check_preregister_confirm_and_refusals(site, tmp_path):
 
     # the contract kit
     check = retention(site, "check-scorer", "keynorm", "--context", 0).stdout
-    assert "keynorm: 11/11 checks pass" in check and "FAIL" not in check
+    assert "keynorm: 13/13 checks pass" in check and "FAIL" not in check
 
     # pre-registered against streaming, confirmed on the confirm split
     plans = tmp_path / "plans"

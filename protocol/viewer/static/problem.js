@@ -44,6 +44,13 @@ const RVProblem = (() => {
     return pre;
   }
 
+  // Why a traced run's record has no cache map: its trace line is missing, or the file was cut short.
+  function traceGap(rec) {
+    return rec.trace === "truncated"
+      ? "trace truncated: this run's trace.jsonl ends in a half-written line and this record's trace is lost"
+      : "trace missing: this run was traced, but trace.jsonl has no line for this record";
+  }
+
   function column(head, pre) {
     const div = document.createElement("div");
     div.className = "col";
@@ -59,7 +66,8 @@ const RVProblem = (() => {
     wrap.className = "klwrap";
     if (!rec.kl) {
       wrap.innerHTML = `<p class="absent kl-absent">${rec.trace === "ok" ? "no per-step KL: the run had no --fidelity"
-        : "no per-step KL: no trace (run with --trace --fidelity)"}</p>`;
+        : rec.trace === "none" ? "no per-step KL: no trace (run with --trace --fidelity)"
+        : "no per-step KL: " + traceGap(rec)}</p>`;
       return wrap;
     }
     const canvas = document.createElement("canvas");
@@ -111,8 +119,9 @@ const RVProblem = (() => {
     const wrap = document.createElement("div");
     wrap.className = "mapwrap";
     if (rec.trace !== "ok") {
-      wrap.innerHTML = `<p class="absent map-absent">no trace: this record's run was written without --trace `
-        + "(run with --trace to see what the cache held)</p>";
+      wrap.innerHTML = rec.trace === "none" ? `<p class="absent map-absent">no trace: this record's run was written `
+        + "without --trace (run with --trace to see what the cache held)</p>"
+        : `<p class="absent map-absent trace-${esc(rec.trace)}">${traceGap(rec)}</p>`;
       return wrap;
     }
     const m = rec.map, r = RVMap.reconstruct(m);
@@ -136,7 +145,7 @@ const RVProblem = (() => {
     const list = document.createElement("details");
     list.innerHTML = `<summary>compactions</summary><table class="comps"><tr><th>step</th><th>before</th>`
       + `<th>kept (mean)</th><th>kept min–max</th><th>prompt held</th><th>allocation</th></tr>`
-      + r.comps.map((c) => `<tr><td>${c.s}</td><td>${c.raw.b}</td><td>${c.kept.toFixed(1)}</td>`
+      + r.comps.map((c) => `<tr><td>${esc(c.s)}</td><td>${esc(c.raw.b)}</td><td>${num(c.kept)}</td>`
         + `<td>${Math.min(...c.raw.k)}–${Math.max(...c.raw.k)}</td><td>${(100 * c.prompt).toFixed(1)}%</td>`
         + `<td>${c.raw.a ? esc(c.raw.a.join(" ")) : "–"}</td></tr>`).join("") + "</table>";
     wrap.append(row, legend, list);
@@ -148,13 +157,13 @@ const RVProblem = (() => {
     const verdict = rec.verdict === true ? "correct" : rec.verdict === false ? "wrong" : "ungradable";
     return `<dl class="answers"><dt>answer</dt><dd><code>${esc(rec.extracted)}</code> <span class="v ${verdict}">${verdict}</span></dd>`
       + `<dt>gold</dt><dd><code>${esc(gold)}</code></dd><dt>rule</dt><dd>${esc(rec.rule || "–")}${rec.reason ? ` (${esc(rec.reason)})` : ""}</dd>`
-      + `<dt>output</dt><dd>${rec.n_tokens} tokens, ${esc(rec.finish_reason)}</dd>`
-      + `<dt>cache</dt><dd>mean ${num(rec.cache_mean_tokens)} tokens, ${rec.compactions ?? "–"} compactions</dd>`
+      + `<dt>output</dt><dd>${esc(rec.n_tokens)} tokens, ${esc(rec.finish_reason)}</dd>`
+      + `<dt>cache</dt><dd>mean ${num(rec.cache_mean_tokens)} tokens, ${esc(rec.compactions ?? "–")} compactions</dd>`
       + (fid ? `<dt>fidelity</dt><dd>KL mean ${num(fid.kl_mean, 4)}, top-1 agreement ${pct(fid.top1_agreement)}%, `
         + (fid.first_divergence_step == null ? "the top-1 token never differs"
-          : `first top-1 difference at step ${fid.first_divergence_step}`) + "</dd>" : "")
+          : `first top-1 difference at step ${esc(fid.first_divergence_step)}`) + "</dd>" : "")
       + (rec.div ? `<dt>vs full</dt><dd>answer ${rec.div.changed ? "<b>changed</b>" : "same"}; `
-        + (rec.div.token == null ? "identical tokens" : `tokens differ from #${rec.div.token}`) + "</dd>" : "")
+        + (rec.div.token == null ? "identical tokens" : `tokens differ from #${esc(rec.div.token)}`) + "</dd>" : "")
       + "</dl>";
   }
 
@@ -197,7 +206,7 @@ const RVProblem = (() => {
     const nav = `<nav><a href="${back}" id="back">← list</a>`
       + (prev != null ? ` <a href="#/p/${prev}" id="prev">← previous</a>` : "")
       + (next != null ? ` <a href="#/p/${next}" id="next">next →</a>` : "") + "</nav>";
-    app.innerHTML = `${nav}<h2 id="problem" data-i="${i}">${esc(data.pid)} <small>sample ${data.sample}</small></h2>`
+    app.innerHTML = `${nav}<h2 id="problem" data-i="${esc(i)}">${esc(data.pid)} <small>sample ${esc(data.sample)}</small></h2>`
       + (data.statement ? `<details open><summary>problem</summary><pre class="statement">${esc(data.statement)}</pre></details>` : "");
     RV.state.index.arms.filter((a) => data.arms[a.key]).forEach((a) => app.append(armSection(a.key, data)));
     // Scroll each text box to its divergence marker (the shared prefix stays above it).

@@ -11,7 +11,7 @@ const RV = (() => {
   const num = (x, d = 1) => (x == null || Number.isNaN(x) ? "–" : Number(x).toFixed(d));
   const pct = (x, d = 1) => (x == null ? "–" : (100 * x).toFixed(d));
   const pval = (p) => (p == null ? "–" : p >= 0.001 ? Number(p).toPrecision(2) : Number(p).toExponential(1));
-  const budget = (b) => (b == null ? "full" : String(b));
+  const budget = (b) => (b == null ? "full" : esc(b));
   const arm = (key) => state.index.arms.find((a) => a.key === key);
   const armIndex = (key) => state.index.arms.findIndex((a) => a.key === key);
 
@@ -107,7 +107,7 @@ const RV = (() => {
         + `<td>${esc(r.accounting)}</td><td>${pct(r.acc_treatment)}</td><td>${pct(r.acc_baseline)}</td>`
         + `<td>${num(r.delta_pp, 2)}</td><td>[${num(r.ci95_lo_pp)}, ${num(r.ci95_hi_pp)}]</td>`
         + `<td>${pval(r.p_bootstrap)}</td><td>${pval(r.p_bonferroni)}</td><td class="verdict">${esc(r.verdict)}</td>`
-        + `<td>${r.n}</td><td>${r.k}</td></tr>` + (fid ? `<tr class="fid"><td></td><td colspan="12">fidelity `
+        + `<td>${esc(r.n)}</td><td>${esc(r.k)}</td></tr>` + (fid ? `<tr class="fid"><td></td><td colspan="12">fidelity `
         + `(exploratory): ${fid}</td></tr>` : "");
     }).join("");
     return `<h2>Comparisons</h2><table class="report" id="comparisons"><thead><tr><th>model</th><th>budget</th>`
@@ -117,9 +117,9 @@ const RV = (() => {
   }
 
   function armsTable() {
-    const body = state.index.arms.map((a) => `<tr class="armrow" data-arm="${a.key}">`
+    const body = state.index.arms.map((a) => `<tr class="armrow" data-arm="${esc(a.key)}">`
       + `<td><a href="#/?${queryString({arm: a.key})}">${esc(a.label)}</a></td><td>${esc(a.model)}</td>`
-      + `<td>${budget(a.budget)}</td><td>${esc(a.accounting)}</td><td>${a.n_records}</td>`
+      + `<td>${budget(a.budget)}</td><td>${esc(a.accounting)}</td><td>${esc(a.n_records)}</td>`
       + `<td>${pct(a.accuracy)} [${pct(a.acc_ci95_lo)}, ${pct(a.acc_ci95_hi)}]</td><td>${num(a.cache_mean_tokens)}</td>`
       + `<td>${num(a.mean_output_tokens, 0)}</td><td>${pct(a.truncation_rate, 0)}</td><td>${num(a.kl_mean, 4)}</td>`
       + `<td>${pct(a.top1_agreement)}</td><td>${num(a.first_divergence_median, 0)}</td>`
@@ -157,8 +157,9 @@ const RV = (() => {
         : `<span class="div" title="first token differing from the full cache">@${cell[2]}</span>`;
       return `<td class="${v[0]}">${v[1]}${changed}${div}</td>`;
     };
-    const body = rows.map((row, n) => `<tr data-i="${row[0]}" class="prow${n === state.sel ? " sel" : ""}">`
-      + `<td>${row[0]}</td><td><a href="#/p/${row[0]}/${arms[a].key}">${esc(row[1])}</a></td><td>${row[2]}</td>`
+    const body = rows.map((row, n) => `<tr data-i="${esc(row[0])}" class="prow${n === state.sel ? " sel" : ""}">`
+      + `<td>${esc(row[0])}</td><td><a href="#/p/${encodeURIComponent(row[0])}/${encodeURIComponent(arms[a].key)}">`
+      + `${esc(row[1])}</a></td><td>${esc(row[2])}</td>`
       + arms.map((x, j) => mark(row[3][j], x.ref)).join("") + "</tr>").join("");
     return `<table id="problems"><thead><tr><th>#</th><th>problem</th><th>sample</th>`
       + arms.map((x, j) => `<th class="${j === a ? "cur" : ""}">${esc(x.label)}<br><small>${esc(x.model)} ${budget(x.budget)}</small></th>`).join("")
