@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from retention.models import format_prompt
 from retention.runs.arms import validate_arm
+from retention.runs.roofline import decode_step_flops, matmul_peak_gflops, roofline_line
 from retention.runs.equal_memory import equal_memory_rows, format_memory_table, plan_arms
 from retention.runs.scorer_options import scorer_fields
 from retention.runtime.engine import Engine, Request, SamplingConfig, cache_kwarg
@@ -223,6 +224,7 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
     # One warm-up generation so that first-call overheads do not land on the first variant.
     generate(loaded.model, math_prompt, variant_policy(loaded.name, "full", None, None, "mean", {}), SamplingConfig(max_new_tokens=8), set(),
              kib)
+    peak = None
     for ctx in contexts:
         prompt = math_prompt if ctx is None else context_prompt(loaded.tokenizer, problems, ctx)
         for bs in batch_sizes:
@@ -235,6 +237,16 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
                      f"({100 * row['compaction_share']:.1f}% of steps), mean cache {row['cache_mean_tokens']:.1f} "
                      f"peak {row['cache_peak_tokens']}, host syncs/step {row['host_syncs_per_step']:.2f}, KiB/seq allocated "
                      f"{row['allocated_bytes_per_sequence'] / 1024:.0f} stored {row['stored_bytes_per_sequence'] / 1024:.0f}")
+        biggest = [r for r in out["speed"] if r["context"] == ctx and r["batch_size"] == batch_sizes[-1]
+                   and r["accounting"] is not None]
+        if peak is None and biggest:
+            peak = out["matmul_peak_gflops"] = matmul_peak_gflops(loaded.model.dtype, device=str(loaded.device))
+        for r in biggest:  # the roofline of the widest step (docs/speed.md)
+            flops = decode_step_flops(loaded.model.config, r["batch_size"], r["cache_mean_tokens"])
+            r["step_gflop"] = flops / 1e9
+            r["step_gflops_per_second"] = flops / (r["step_ms_median"] / 1000) / 1e9
+            echo(roofline_line(f"{r['variant']}/{r['accounting']}", r["batch_size"], r["cache_mean_tokens"],
+                               r["step_ms_median"], flops, peak))
         if memory_mib:
             same = [r for r in out["speed"] if r["context"] == ctx and r["batch_size"] == batch_sizes[-1]]
             arms = plan_arms(same, memory_mib, memory_max_slots)
