@@ -33,7 +33,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-batch-1", action="store_true", help="skip the batch-1 configuration")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     loaded = load_model(a.model, dtype=a.dtype, device="cpu")
     probs = load_split("dev")[:a.problems]
     prompts = [format_prompt(loaded.tokenizer, p.problem, getattr(loaded, "prompt", "chat")) for p in probs]

@@ -184,11 +184,11 @@ class Engine:
             states.append(self._begin(slots[len(states)]))
         t0 = states[0].t0
         prompts = [st.req.prompt_ids for st in states]
-        logits, caches = [], []
+        logits, caches = [None] * len(states), [None] * len(states)
         for grp in chunks([len(p) for p in prompts]):
             lg, cs = prefill_batch(self.adapter, [prompts[i] for i in grp], self.policy.scorer, self.device)
-            logits += list(lg[:, None].unbind(0))  # [1, V] each
-            caches += cs
+            for j, i in enumerate(grp):
+                logits[i], caches[i] = lg[j:j + 1], cs[j]  # [1, V], a single-row cache
             self.stats.prefill_batches += 1
         return [self._prefilled(st, lg, tmp, t0 if i == 0 else None)
                 for i, (st, lg, tmp) in enumerate(zip(states, logits, caches))]

@@ -34,10 +34,11 @@ PAD_TOKEN = 0  # any id: a padding token's output is never read
 
 
 def chunks(lengths: list[int], budget: int = PREFILL_CHUNK_TOKENS) -> list[list[int]]:
-    """Consecutive groups of indices into `lengths` whose rows x longest length fits `budget`
-    (a prompt longer than `budget` is a group of its own)."""
+    """Groups of indices into `lengths`, in order of length (so that a group pads its rows little),
+    whose rows x longest length fits `budget` (a prompt longer than `budget` is a group of its own)."""
     groups: list[list[int]] = []
-    for i, n in enumerate(lengths):
+    for i in sorted(range(len(lengths)), key=lambda j: (lengths[j], j)):
+        n = lengths[i]
         if groups:
             g = groups[-1]
             if (len(g) + 1) * max(n, *(lengths[j] for j in g)) <= budget:

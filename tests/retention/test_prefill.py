@@ -34,10 +34,13 @@ def _decode(model, policy, batch_size, batch_prefill, prompts=PROMPTS, **kw):
 def test_chunks_fit_the_token_budget():
     assert chunks([10, 20, 30], budget=60) == [[0, 1], [2]]  # 3 x 30 = 90 > 60
     assert chunks([10, 20, 30], budget=90) == [[0, 1, 2]]
-    assert chunks([100, 5], budget=50) == [[0], [1]]  # a prompt over the budget goes alone
+    assert chunks([100, 5], budget=50) == [[1], [0]]  # a prompt over the budget goes alone
+    assert chunks([30, 10, 29, 11], budget=60) == [[1, 3], [2, 0]]  # by length: little padding
     lengths = [int(n) for n in torch.randint(1, 700, (64,), generator=torch.Generator().manual_seed(0))]
     groups = chunks(lengths)
-    assert [i for g in groups for i in g] == list(range(64))
+    assert sorted(i for g in groups for i in g) == list(range(64))
+    order = [lengths[i] for g in groups for i in g]
+    assert order == sorted(order)
     assert all(len(g) == 1 or len(g) * max(lengths[i] for i in g) <= PREFILL_CHUNK_TOKENS for g in groups)
 
 
