@@ -5,7 +5,7 @@ model adapter (`retention.runtime.adapter`) is all that differs (the step forwar
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
 rows; row `r` is slot `r` (after the tail narrows, `RetentionCache.slots[r]`). A queue of requests (one per (problem, sample), drawn lazily) feeds the
 slots: the prompts of the requests that start together (the first `S`, then the slots freed by one
-step) are prefilled in right-padded forwards of a few thousand tokens (`retention.runtime.prefill`;
+step) are prefilled in right-padded forwards of about a thousand tokens (`retention.runtime.prefill`;
 one at a time where the scorer learns from the forward itself, `Scorer.batch_prefill`), each split
 into a cache of its own row, compacted by the policy as a single sequence would be, then its stored
 tokens are copied into its slot's row. A slot whose
@@ -161,7 +161,7 @@ class Engine:
 
     def _start(self, slots: list[int]) -> list:
         """Prefill the next requests onto `slots` (as many as are queued): `(state, logits [1, V],
-        cache, reference cache)` per started slot. Together, in right-padded forwards of a few
+        cache, reference cache)` per started slot. Together, in right-padded forwards of about a
         thousand tokens (`retention.runtime.prefill`), where the scorer allows it; else each alone,
         its prefill compaction before the next prompt's forward (a scorer's recorded queries)."""
         n = len(slots)
