@@ -45,7 +45,8 @@ def _profiled_run_engine(*args, **kwargs):
     if os.environ.get("PROFILE_ONE_PREFILL") == "1":
         kwargs["batch_prefill"] = False
     st = _run_engine(*args, **kwargs)
-    print(f"PROF steps {st.steps} tokens {st.tokens} decode {st.decode_seconds:.1f}s prefill {st.prefill_seconds:.1f}s ({st.prefill_batches} forwards) "
+    print(f"PROF steps {st.steps} tokens {st.tokens} decode {st.decode_seconds:.1f}s prefill {st.prefill_seconds:.1f}s "
+          f"({st.prefill_batches} forwards) "
           f"compaction {st.compaction_seconds:.1f}s fidelity {st.fidelity_seconds:.1f}s padding_rows {st.padding_rows} "
           f"narrowed {st.narrowed} (refused {st.narrow_refused}, last rows {st.rows}, {st.tail_seconds:.1f}s) "
           f"draw {_DRAWN['seconds'] - drawn['seconds']:.1f}s ({_DRAWN['calls'] - drawn['calls']} calls) "

@@ -42,7 +42,8 @@ def main() -> None:
     prompts = [format_prompt(loaded.tokenizer, p.problem, getattr(loaded, "prompt", "chat")) for p in probs]
     eos = {loaded.tokenizer.eos_token_id} if loaded.tokenizer.eos_token_id is not None else set()
     cfg = SamplingConfig(max_new_tokens=a.max_new_tokens)  # a run's default sampling (seeded per request)
-    configs = [("together", a.slots, True), ("alone", a.slots, False)] + ([] if a.no_batch_1 else [("batch-1", 1, True)])
+    configs = [("together", a.slots, True), ("alone", a.slots, False)]
+    configs += [] if a.no_batch_1 else [("batch-1", 1, True)]
     runs: dict[str, list[dict]] = {c[0]: [] for c in configs}
     print(f"{a.model} {a.dtype}, {len(prompts)} problems, prompts {min(map(len, prompts))}..{max(map(len, prompts))} "
           f"tokens, max {a.max_new_tokens} new, threads {torch.get_num_threads()}", flush=True)
@@ -55,13 +56,15 @@ def main() -> None:
                             loaded.geometry.kib_per_token, batch_size=S, batch_prefill=together,
                             max_prompt=max(map(len, prompts)), on_finish=lambda r, g: gens.__setitem__(r.key, g))
             wall = time.perf_counter() - t0
-            steps = [s for g in gens.values() for s in g.decode_seconds[: min(len(x.decode_seconds) for x in gens.values())]]
+            busy = min(len(g.decode_seconds) for g in gens.values())  # steps while every sequence still decoded
+            steps = [s for g in gens.values() for s in g.decode_seconds[:busy]]
             r = {"tokens": st.tokens, "wall": wall, "prefill": st.prefill_seconds, "forwards": st.prefill_batches,
                  "tps": st.tokens / wall, "steady": S / statistics.median(steps) if steps else float("nan"),
                  "ids": {k: g.token_ids for k, g in gens.items()}}
             runs[name].append(r)
             print(f"{name:>9} S={S:<3}: {r['tokens']} tokens in {wall:.1f} s = {r['tps']:.1f} tok/s; prefill "
-                  f"{r['prefill']:.1f} s in {r['forwards']} forwards; steady decode {r['steady']:.1f} tok/s", flush=True)
+                  f"{r['prefill']:.1f} s in {r['forwards']} forwards; steady decode {r['steady']:.1f} tok/s",
+                  flush=True)
     best = {k: max(v, key=lambda r: r["tps"]) for k, v in runs.items()}
     t, o = best["together"], best["alone"]
     print(f"together / alone (tok/s, prefill included): {t['tps'] / o['tps']:.2f}x; prefill seconds "

@@ -67,7 +67,7 @@ from retention.runtime.fidelity import Fidelity, step_agreement
 from retention.runtime.host_memory import keep_large_blocks
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
-from retention.runtime.prefill import chunks, prefill_batch
+from retention.runtime.prefill import chunks, full_copy, prefill_alone, prefill_batch
 from retention.runtime.sampling import SamplingConfig, draw, sample_next, sample_rows, sample_tokens  # noqa: F401
 from retention.runtime.sequence import EngineStats, Generation, Request, SequenceState  # noqa: F401
 from retention.runtime.syncs import StepClock, synced_now
@@ -81,17 +81,6 @@ def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens
     if policy.scorer.evicts and c.evicts:
         return c.nominal + c.span + (prompt_length if c.protect_prompt else 0)
     return prompt_length + max_new_tokens
-
-
-def _full_copy(cache: RetentionCache, capacity: int) -> RetentionCache:
-    """A reference (never compacted) cache holding what single-row `cache` stores: its stores and
-    positions, not a scorer's per-token state."""
-    ref = RetentionCache.empty_like(cache, 1, capacity)
-    ref.load_row(0, cache)
-    for layer in ref.layers:
-        layer.extra = {}
-    ref.collect_attention = False
-    return ref
 
 
 class Engine:
@@ -171,11 +160,7 @@ class Engine:
             out = []
             while self._next is not None and len(out) < n:
                 st = self._begin(slots[len(out)])
-                P = len(st.req.prompt_ids)
-                tmp = self.adapter.new_cache(P, self.policy.scorer)
-                tmp.slots, tmp.prompt_lengths = [st.slot], [P]
-                ids, pos = torch.tensor([st.req.prompt_ids], device=self.device), torch.arange(P, device=self.device)[None]
-                lg = self.adapter.forward(ids, pos, tmp)
+                lg, tmp = prefill_alone(self.adapter, st.req.prompt_ids, st.slot, self.policy.scorer, self.device)
                 self.stats.prefill_batches += 1
                 out.append(self._prefilled(st, lg, tmp, st.t0))
             return out
@@ -201,7 +186,7 @@ class Engine:
         st.meter.record_prefill(tmp.stored_lengths())
         tmp_ref = None
         if self.fidelity:  # the full cache of the prompt is what the prefill just stored: a copy, before
-            tmp_ref = _full_copy(tmp, P + self.sampling.max_new_tokens)  # any compaction (its forward is this one)
+            tmp_ref = full_copy(tmp, P + self.sampling.max_new_tokens)  # any compaction (its forward is this one)
             st.fid.add(lg[0], lg[0])
             self.stats.start_syncs += 1
         t_c = synced_now(dev)

@@ -49,6 +49,25 @@ def chunks(lengths: list[int], budget: int = PREFILL_CHUNK_TOKENS) -> list[list[
     return groups
 
 
+def full_copy(cache: RetentionCache, capacity: int) -> RetentionCache:
+    """A reference (never compacted) cache holding what single-row `cache` stores after its prefill:
+    its stores and positions, not a scorer's per-token state (the fidelity proxy's full cache)."""
+    ref = RetentionCache.empty_like(cache, 1, capacity)
+    ref.load_row(0, cache)
+    for layer in ref.layers:
+        layer.extra = {}
+    ref.collect_attention = False
+    return ref
+
+
+def prefill_alone(adapter, prompt: list[int], slot: int, scorer, device) -> tuple[torch.Tensor, RetentionCache]:
+    """One prompt's forward in a cache of its own (any model): its first-token logits `[1, V]` and cache."""
+    P = len(prompt)
+    cache = adapter.new_cache(P, scorer)
+    cache.slots, cache.prompt_lengths = [slot], [P]
+    return adapter.forward(torch.tensor([prompt], device=device), torch.arange(P, device=device)[None], cache), cache
+
+
 def prefill_batch(adapter, prompts: list[list[int]], scorer, device) -> tuple[torch.Tensor, list[RetentionCache]]:
     """One right-padded forward of `prompts` (a transformers model): the first-token logits `[B, V]`
     (row `r` at its last prompt token) and `B` single-row caches, row `r` holding its `P_r` tokens."""
