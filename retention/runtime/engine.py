@@ -4,11 +4,13 @@ model adapter (`retention.runtime.adapter`) is all that differs (the step forwar
 
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
 rows; row `r` is slot `r` (after the tail narrows, `RetentionCache.slots[r]`). A queue of requests (one per (problem, sample), drawn lazily) feeds the
-slots: the prompts of the requests that start together (the first `S`, then the slots freed by one
-step) are prefilled in right-padded forwards of about a thousand tokens (`retention.runtime.prefill`;
-one at a time where the scorer learns from the forward itself, `Scorer.batch_prefill`), each split
-into a cache of its own row, compacted by the policy as a single sequence would be, then its stored
-tokens are copied into its slot's row. A slot whose
+slots: a request's prompt is prefilled alone (batch 1, in a cache of its own, compacted by the policy
+as a single sequence would be), then its stored tokens are copied into its slot's row. With
+`batch_prefill=True` (opt-in: it gives up the bfloat16 independence of a record from its neighbours,
+below) the prompts that start together (the first `S`, then the slots freed by one step) are
+prefilled in right-padded forwards of about a thousand tokens (`retention.runtime.prefill`; one at a
+time where the scorer reads the forward itself, `Scorer.batch_prefill`), each split into a cache of
+its own row. A slot whose
 sequence ends (EOS or length) hands its `Generation` to `on_finish` at once and takes the next
 request; when the queue is empty it stays in the batch as a padding row (one stored token, its
 output discarded, never compacted, no meter), so every decode step of a run has `S` rows until the
@@ -31,10 +33,10 @@ bfloat16 too, where the kernels round differently for each row count and each at
 record depends on the slot count (and the capacity, fixed per run by the longest prompt it will see,
 `max_prompt`) and on nothing else.
 
-Why the output of a sequence does not depend on its neighbours: a row's prefill reads only its own
-tokens (causal, right-padded: in float32/bfloat16 a batched product may round it differently from a
-prefill alone, so a record can depend on which prompts start together; `batch_prefill=False` prefills
-each alone, float64 agrees to rounding); every decode
+Why the output of a sequence does not depend on its neighbours: the prefill runs alone (with
+`batch_prefill=True` a batched product may round a row differently in float32/bfloat16, so a record
+then depends on which prompts start together: `tests/retention/test_batch_composition.py` fails with
+it in bfloat16); every decode
 step attends within its own row (padding masked) at a fixed width; the cadence and the scorer's state
 are per row; sampling uses one `torch.Generator` per slot, seeded from the request's own seed when it
 starts. With `S = 1` this is the single-sequence loop of `retention.runtime.generate.generate`, whose
@@ -98,7 +100,7 @@ class Engine:
                  eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                  keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                  on_token: Callable[[int, BudgetMeter], None] | None = None, max_prompt: int | None = None,
-                 shrink: bool = True, batch_prefill: bool = True):
+                 shrink: bool = True, batch_prefill: bool = False):
         self.model, self.policy, self.sampling, self.eos = model, policy, sampling, set(eos_token_ids)
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
@@ -118,7 +120,7 @@ class Engine:
         # A layout model's attention is this project's own matmul code, which the probe does not cover.
         self.shrink = shrink and self.S > 1 and not self.adapter.reference
         self._probe = TailProbe(model) if self.shrink else None
-        # Prompts that start together share a forward unless the scorer learns from the forward itself.
+        # Opt-in: prompts that start together share a forward unless the scorer reads the forward itself.
         self.batch_prefill = batch_prefill and not self.adapter.reference and policy.scorer.batch_prefill
         self.stats = EngineStats(busy=self.S, rows=self.S)
         self.slots: list[SequenceState | None] = []  # the sequence of each slot (row); None: padding
@@ -398,7 +400,7 @@ def run_engine(model, requests: Iterable[Request], policy: RetentionPolicy, samp
                keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                on_token: Callable[[int, BudgetMeter], None] | None = None,
                on_step: Callable[[EngineStats], None] | None = None, max_prompt: int | None = None,
-               shrink: bool = True, batch_prefill: bool = True) -> EngineStats:
+               shrink: bool = True, batch_prefill: bool = False) -> EngineStats:
     """Decode every request under `policy` in `batch_size` slots (see module doc).
 
     on_finish(request, generation): called as each sequence ends, in finishing order.
