@@ -42,8 +42,8 @@ def _profiled_run_engine(*args, **kwargs):
     drawn = dict(_DRAWN)
     if os.environ.get("PROFILE_NO_TAIL") == "1":
         kwargs["shrink"] = False
-    if os.environ.get("PROFILE_ONE_PREFILL") == "1":
-        kwargs["batch_prefill"] = False
+    if os.environ.get("PROFILE_BATCH_PREFILL") == "1":
+        kwargs["batch_prefill"] = True
     st = _run_engine(*args, **kwargs)
     print(f"PROF steps {st.steps} tokens {st.tokens} decode {st.decode_seconds:.1f}s prefill {st.prefill_seconds:.1f}s "
           f"({st.prefill_batches} forwards) "
