@@ -11,8 +11,8 @@ wrapping it) and the engine run's wall time; at exit the command's wall time. Th
 are the same as without the wrapper (it only reads clocks). With `PROFILE_MMAP_BLOCKS=1` the engine
 leaves glibc's thresholds alone (`retention.runtime.host_memory`): what keeping large blocks buys;
 with `PROFILE_NO_TAIL=1` the tail keeps every row (`shrink=False`): what narrowing it buys; with
-`PROFILE_ONE_PREFILL=1` every prompt is prefilled alone (`batch_prefill=False`): what prefilling the
-prompts that start together in one forward buys.
+`PROFILE_BATCH_PREFILL=1` the prompts that start together are prefilled together
+(`batch_prefill=True`, opt-in: docs/speed.md): what that buys.
 """
 
 from __future__ import annotations
