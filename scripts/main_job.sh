@@ -13,7 +13,9 @@
 # With DEADLINE (a Unix time; `make run` sets it 10 minutes after make started), the job is sized to
 # this host after calibrating: `retention size` measures a decode step and the runs take the largest
 # problem count and token limit, at most PROBLEMS and TOKENS, predicted to finish before it (the
-# terminal and the report say so); when even the smallest job does not fit, it drops the fidelity proxy.
+# terminal and the report say so). Answers stay at least as long as the model's solved answers in the
+# committed runs under SOLVED_FROM needed (their median): the fidelity proxy, then problems, go first;
+# only when nothing fits that way are answers cut shorter (the note says no accuracy signal is expected).
 # SmolLM2-135M cannot solve MATH problems (accuracy ~0 for every arm; the fidelity columns are what it
 # measures); Qwen2.5-Coder-0.5B solves some. Real R1 models: see docs/gpu.md.
 set -euo pipefail
@@ -25,6 +27,7 @@ TOKENS=${TOKENS:-160}
 BATCH=${BATCH:-16}
 BUDGET=${BUDGET:-64}
 DTYPE=${DTYPE:-bfloat16}  # bf16 decodes ~1.6x faster than fp32 on these CPUs
+SOLVED_FROM=${SOLVED_FROM:-results}  # committed runs: how long the model's solved answers were
 
 start=$(date +%s)
 # Calibrate once; the statistics file is reused by later runs (delete it to recalibrate).
@@ -36,7 +39,8 @@ fi
 note="$OUT/runs/sizing.json"
 if [ -n "${DEADLINE:-}" ]; then
   sized=$("$RETENTION" size --model "$MODEL" --dtype "$DTYPE" --limit "$PROBLEMS" --seconds "$(( DEADLINE - $(date +%s) ))" \
-    --max-new-tokens "$TOKENS" --batch-size "$BATCH" --retention-arms 2 --full-arms 1 --commands 2 --out "$note")
+    --max-new-tokens "$TOKENS" --batch-size "$BATCH" --retention-arms 2 --full-arms 1 --commands 2 --out "$note" \
+    $([ -d "$SOLVED_FROM" ] && echo --solved-from "$SOLVED_FROM"))
   read -r PROBLEMS TOKENS FIDELITY <<< "$sized"
 else
   FIDELITY=fidelity

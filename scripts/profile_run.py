@@ -10,7 +10,9 @@ the run's tail costs), the seconds spent drawing tokens (`retention.runtime.samp
 wrapping it) and the engine run's wall time; at exit the command's wall time. The records written
 are the same as without the wrapper (it only reads clocks). With `PROFILE_MMAP_BLOCKS=1` the engine
 leaves glibc's thresholds alone (`retention.runtime.host_memory`): what keeping large blocks buys;
-with `PROFILE_NO_TAIL=1` the tail keeps every row (`shrink=False`): what narrowing it buys.
+with `PROFILE_NO_TAIL=1` the tail keeps every row (`shrink=False`): what narrowing it buys; with
+`PROFILE_BATCH_PREFILL=1` the prompts that start together are prefilled together
+(`batch_prefill=True`, opt-in: docs/speed.md): what that buys.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ def _profiled_run_engine(*args, **kwargs):
     drawn = dict(_DRAWN)
     if os.environ.get("PROFILE_NO_TAIL") == "1":
         kwargs["shrink"] = False
+    if os.environ.get("PROFILE_BATCH_PREFILL") == "1":
+        kwargs["batch_prefill"] = True
     st = _run_engine(*args, **kwargs)
     print(f"PROF steps {st.steps} tokens {st.tokens} decode {st.decode_seconds:.1f}s prefill {st.prefill_seconds:.1f}s "
+          f"({st.prefill_batches} forwards) "
           f"compaction {st.compaction_seconds:.1f}s fidelity {st.fidelity_seconds:.1f}s padding_rows {st.padding_rows} "
           f"narrowed {st.narrowed} (refused {st.narrow_refused}, last rows {st.rows}, {st.tail_seconds:.1f}s) "
           f"draw {_DRAWN['seconds'] - drawn['seconds']:.1f}s ({_DRAWN['calls'] - drawn['calls']} calls) "

@@ -61,13 +61,21 @@ _DTYPES = ("float32", "bfloat16", "float16")
                    "vllm alone: vLLM only.")
 @click.option("--vllm-eager", is_flag=True, default=False,
               help="With --engine ...vllm: run vLLM without torch.compile (as `retention run --engine vllm` does).")
+@click.option("--memory-budget", "memory_mib", type=click.FloatRange(min=0, min_open=True, max=1 << 30), default=None,
+              help="Also measure tokens/s at equal KV memory: each engine arm gets as many slots as this many MiB "
+                   "hold at its measured peak KiB per sequence (the full arm: prompt + new tokens; a retention arm: "
+                   "its budget) and decodes the same number of sequences (docs/speed.md).")
+@click.option("--memory-sequences", type=click.IntRange(min=1, max=1 << 20), default=None,
+              help="With --memory-budget: sequences each arm decodes [default: the most slots any arm gets].")
+@click.option("--memory-max-slots", type=click.IntRange(min=1, max=4096), default=256, show_default=True,
+              help="With --memory-budget: the most slots an arm gets (a small budget can fit thousands).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Also write the figures to this JSON file (replaced atomically); they always go to stdout.")
 @splits_dir_option
 @click.pass_context
 def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, budget, budget_kib, interval, accounting,
                   new_tokens, problems, agreement_tokens, stats_path, lam, dtype, device, threads, engines, vllm_eager,
-                  out, splits_dir):
+                  memory_mib, memory_sequences, memory_max_slots, out, splits_dir):
     """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`;
     with --layouts, decode step time against context for the 124M study layouts (random weights); with
     --engine hf,vllm, full-cache decode of this project's engine against vLLM's."""
@@ -114,6 +122,8 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     if budget_kib is not None:  # the same conversion (and refusals) as `retention run --budget-bytes`
         budget = budget_from_bytes(model, dtype, budget if "budget" in given else None, budget_kib)
     _check_variants(names, budget, interval, modes, stats_path, lam)
+    if memory_mib is None:
+        _refuse_foreign(given, {"memory_sequences", "memory_max_slots"}, "only with --memory-budget")
     _check_out(out)
     torch = _set_threads(threads)
     loaded = load_model(model, dtype=dtype, device=device)
@@ -121,7 +131,8 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     params = {k: v for k, v in {"stats": stats_path, "lam": lam}.items() if v is not None}
     figures = run_bench(loaded, dev, names, budget, new_tokens, modes, problems, interval=interval, params=params,
                         agreement_tokens=agreement_tokens, echo=lambda msg: click.echo(msg, err=True),
-                        batch_sizes=sizes, contexts=ctxs)
+                        batch_sizes=sizes, contexts=ctxs, memory_mib=memory_mib, memory_sequences=memory_sequences,
+                        memory_max_slots=memory_max_slots)
     # The budget in both units: tokens per (layer, KV head) and the KiB per sequence they hold.
     figures["budget_kib"] = budget * loaded.geometry.kib_per_token
     if budget_kib is not None:

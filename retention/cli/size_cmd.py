@@ -33,6 +33,9 @@ from retention.cli.options import bounded, splits_dir_option
               help="Fewest problems the job may be cut to (a paired report needs two).")
 @click.option("--min-tokens", type=click.IntRange(min=1, max=1 << 20), default=128, show_default=True,
               help="Shortest token limit the job may be cut to.")
+@click.option("--solved-from", "solved_from", type=click.Path(file_okay=False, exists=True), default=None,
+              help="Committed runs folder: keep answers at least as long as the median solved answer of this "
+                   "model there needed, dropping the fidelity proxy and then problems first (none solved: ignored).")
 @click.option("--margin", type=float, default=0.6, show_default=True, callback=bounded("--margin", 0.05, 1.0),
               help="Share of the seconds left that the prediction may fill.")
 @click.option("--out", "note", type=click.Path(dir_okay=False), default=None,
@@ -40,13 +43,13 @@ from retention.cli.options import bounded, splits_dir_option
                    "states it).")
 @splits_dir_option
 def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms, full_arms, fidelity, commands,
-                 min_problems, min_tokens, margin, note, splits_dir):
+                 min_problems, min_tokens, solved_from, margin, note, splits_dir):
     """Measure this host's decode step on MODEL and print the problem count and token limit, at most
     --limit and --max-new-tokens, whose pessimistic predicted time fits --seconds (stdout: `P T F`,
     F `fidelity` or `no-fidelity`: whether the job keeps the fidelity proxy; stderr: why;
     `retention.runs.sizing`)."""
     from retention.models import load_model
-    from retention.runs.sizing import JobShape, size_job, write_note
+    from retention.runs.sizing import JobShape, size_job, solved_tokens, write_note
 
     from protocol.io import check_writable
     from protocol.splits import load_split
@@ -59,10 +62,11 @@ def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms
     t0 = time.perf_counter()
     loaded = load_model(model, dtype=dtype, device="cpu")
     load_seconds = time.perf_counter() - t0
+    solved = None if solved_from is None else solved_tokens(Path(solved_from), loaded.name)
     shape = JobShape(tokens=tokens, batch=batch, retention_arms=retention_arms, full_arms=full_arms,
                      fidelity=fidelity, commands=commands)
     sizing = size_job(loaded, problems, shape, requested, seconds - (time.perf_counter() - t0), load_seconds, margin,
-                      min_problems, min_tokens)
+                      min_problems, min_tokens, solved)
     if note:
         write_note(sizing, Path(note), loaded.name)
     click.echo(f"retention size: {sizing.line()}", err=True)

@@ -29,6 +29,8 @@ from transformers import DynamicCache
 
 from retention.models import format_prompt
 from retention.runs.arms import validate_arm
+from retention.runs.roofline import decode_step_flops, matmul_peak_gflops, roofline_line
+from retention.runs.equal_memory import equal_memory_rows, format_memory_table, plan_arms
 from retention.runs.scorer_options import scorer_fields
 from retention.runtime.engine import Engine, Request, SamplingConfig, cache_kwarg
 from retention.runtime.generate import generate
@@ -100,6 +102,7 @@ class _EngineStepper:
         return {"compactions": len(g.compaction_seconds), "compaction_ms_median": _median_ms(g.compaction_seconds),
                 "compaction_seconds": st.compaction_seconds, "cache_mean_tokens": m.mean,
                 "cache_peak_tokens": m.peak, "cache_final_tokens": m.final, "budget_exceeded": m.exceeded,
+                "cache_peak_kib": m.peak_kib,
                 "allocated_bytes_per_sequence": st.allocated_bytes / S,
                 "stored_bytes_per_sequence": statistics.mean(self.stored) / S if self.stored else 0.0}
 
@@ -111,6 +114,7 @@ class _DynamicStepper:
     def __init__(self, loaded, prompt, S, crop: int | None):
         self.name, self.accounting = (DYNAMIC if crop is None else IDEAL), None
         self.model, self.crop, self.kw = loaded.model, crop, cache_kwarg(loaded.model)
+        self.kib = loaded.geometry.kib_per_token
         self.dev = next(loaded.model.parameters()).device
         self.cache = DynamicCache(config=loaded.model.config)
         self.prompt, self.S = prompt, S
@@ -153,6 +157,7 @@ class _DynamicStepper:
         stored = statistics.mean(self.stored) / S if self.stored else 0.0
         return {"compactions": 0, "compaction_ms_median": None, "compaction_seconds": 0.0,
                 "cache_mean_tokens": statistics.mean(self.lengths), "cache_peak_tokens": max(self.lengths),
+                "cache_peak_kib": max(self.lengths) * self.kib,
                 "cache_final_tokens": self.lengths[-1], "budget_exceeded": False,
                 "allocated_bytes_per_sequence": stored, "stored_bytes_per_sequence": stored}
 
@@ -199,11 +204,13 @@ def speed_rows(loaded, prompt: list[int], variants: list[str], budget: int, new_
 def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int, accountings: list[str],
               agreement_problems: int, interval: int | None = None, params: dict | None = None,
               agreement_tokens: int | None = None, echo=print, batch_sizes: list[int] | None = None,
-              contexts: list[int | None] | None = None) -> dict:
+              contexts: list[int | None] | None = None, memory_mib: float | None = None,
+              memory_sequences: int | None = None, memory_max_slots: int = 256) -> dict:
     """Returns a JSON-ready dict of figures; `echo` receives one line per measurement.
 
     scorers may include the reference variants `dynamic-cache` and `ideal-crop`; contexts: `None` =
-    the first dev problem's prompt, an int = that many tokens of real text."""
+    the first dev problem's prompt, an int = that many tokens of real text. memory_mib: also measure
+    every engine arm at its slots in that much KV memory, per context (`retention.runs.equal_memory`)."""
     params = params or {}
     batch_sizes = batch_sizes or [1]
     contexts = contexts or [None]
@@ -212,10 +219,12 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
     math_prompt = format_prompt(loaded.tokenizer, problems[0].problem, style)
     out = {"model": loaded.name, "model_id": loaded.model_id, "dtype": loaded.dtype, "device": loaded.device,
            "budget": budget, "new_tokens": new_tokens, "prompt_tokens": len(math_prompt), "batch_sizes": batch_sizes,
-           "contexts": contexts, "lockstep": True, "versions": library_versions(), "speed": [], "agreement": []}
+           "contexts": contexts, "lockstep": True, "versions": library_versions(), "speed": [], "agreement": [],
+           "memory_mib": memory_mib, "equal_memory": []}
     # One warm-up generation so that first-call overheads do not land on the first variant.
     generate(loaded.model, math_prompt, variant_policy(loaded.name, "full", None, None, "mean", {}), SamplingConfig(max_new_tokens=8), set(),
              kib)
+    peak = None
     for ctx in contexts:
         prompt = math_prompt if ctx is None else context_prompt(loaded.tokenizer, problems, ctx)
         for bs in batch_sizes:
@@ -228,6 +237,26 @@ def run_bench(loaded, problems, scorers: list[str], budget: int, new_tokens: int
                      f"({100 * row['compaction_share']:.1f}% of steps), mean cache {row['cache_mean_tokens']:.1f} "
                      f"peak {row['cache_peak_tokens']}, host syncs/step {row['host_syncs_per_step']:.2f}, KiB/seq allocated "
                      f"{row['allocated_bytes_per_sequence'] / 1024:.0f} stored {row['stored_bytes_per_sequence'] / 1024:.0f}")
+        biggest = [r for r in out["speed"] if r["context"] == ctx and r["batch_size"] == batch_sizes[-1]
+                   and r["accounting"] is not None]
+        if peak is None and biggest:
+            peak = out["matmul_peak_gflops"] = matmul_peak_gflops(loaded.model.dtype, device=str(loaded.device))
+        for r in biggest:  # the roofline of the widest step (docs/speed.md)
+            flops = decode_step_flops(loaded.model.config, r["batch_size"], r["cache_mean_tokens"])
+            r["step_gflop"] = flops / 1e9
+            r["step_gflops_per_second"] = flops / (r["step_ms_median"] / 1000) / 1e9
+            echo(roofline_line(f"{r['variant']}/{r['accounting']}", r["batch_size"], r["cache_mean_tokens"],
+                               r["step_ms_median"], flops, peak))
+        if memory_mib:
+            same = [r for r in out["speed"] if r["context"] == ctx and r["batch_size"] == batch_sizes[-1]]
+            arms = plan_arms(same, memory_mib, memory_max_slots)
+            mem = equal_memory_rows(
+                loaded, prompt, arms, lambda a: variant_policy(loaded.name, a.variant, budget, interval, a.accounting,
+                                                               params), new_tokens, memory_sequences)
+            for r in mem:
+                r["context"] = ctx
+            out["equal_memory"] += mem
+            echo(format_memory_table(memory_mib, mem, same))
     if agreement_problems:
         greedy = SamplingConfig(max_new_tokens=agreement_tokens or new_tokens, temperature=0.0, ignore_eos=True)
         out["agreement_tokens"] = greedy.max_new_tokens

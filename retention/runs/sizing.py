@@ -91,6 +91,7 @@ class Sizing:
     shape: dict
     steps: dict
     fidelity: bool = True  # the job keeps the fidelity proxy (False: dropped so that it fits)
+    solved_tokens: int | None = None  # the answer length the model's solved answers need (`solved_tokens`)
 
     @property
     def reduced(self) -> bool:
@@ -103,6 +104,10 @@ class Sizing:
                 f"all {self.requested} problems at {self.tokens} new tokens fit")
         if self.shape["fidelity"] and not self.fidelity:
             what += " without the fidelity proxy (the smallest job with it does not fit)"
+        if self.solved_tokens is not None:
+            what += (f"; answers of at least {self.solved_tokens} tokens kept (what the model's solved answers need)"
+                     if self.tokens >= min(self.solved_tokens, self.requested_tokens) else
+                     f"; below the {self.solved_tokens} tokens its solved answers need: no accuracy signal expected")
         return (f"{what}: predicted {self.predicted_seconds:.0f} s of the {self.seconds_left:.0f} s left "
                 f"({fit} within {100 * self.margin:.0f}% of it) from a measured decode step "
                 f"({self.steps['step_ms'][0]:.1f} ms at {self.steps['slots'][0]} slot, "
@@ -184,17 +189,52 @@ def fit_or_lighten(requested: int, shape: JobShape, line: StepLine, load_seconds
 
 
 def size_job(loaded, problems, shape: JobShape, requested: int, seconds_left: float, load_seconds: float,
-             margin: float = 0.6, min_problems: int = 2, min_tokens: int = 128) -> Sizing:
-    """Measure this host (`measure_step_line`) and fit the job (`fit_or_lighten`) into what is left
-    of `seconds_left` after the measurement."""
+             margin: float = 0.6, min_problems: int = 2, min_tokens: int = 128, solved: int | None = None) -> Sizing:
+    """Measure this host (`measure_step_line`) and fit the job (`fit_or_lighten`; with `solved`, the
+    answer length the model's solved answers need, `fit_keeping_answers`) into what is left of
+    `seconds_left` after the measurement."""
     t0 = time.perf_counter()
     line, prefill, figures = measure_step_line(loaded, problems, shape)
     seconds_left -= time.perf_counter() - t0
-    n, tokens, t, fidelity = fit_or_lighten(min(requested, len(problems)), shape, line, load_seconds, seconds_left,
-                                            margin, min_problems, min_tokens, prefill)
+    if solved is None:
+        n, tokens, t, fidelity = fit_or_lighten(min(requested, len(problems)), shape, line, load_seconds, seconds_left,
+                                                margin, min_problems, min_tokens, prefill)
+    else:
+        n, tokens, t, fidelity = fit_keeping_answers(min(requested, len(problems)), shape, line, load_seconds,
+                                                     seconds_left, margin, solved, min_problems, min_tokens, prefill)
     return Sizing(requested=requested, problems=n, requested_tokens=shape.tokens, tokens=tokens,
                   seconds_left=seconds_left, predicted_seconds=t, load_seconds=load_seconds, margin=margin,
-                  shape=asdict(shape), steps=figures, fidelity=fidelity)
+                  shape=asdict(shape), steps=figures, fidelity=fidelity, solved_tokens=solved)
+
+
+def solved_tokens(runs: Path, model: str, quantile: float = 0.5) -> int | None:
+    """The output tokens that `quantile` of `model`'s solved answers needed in the committed runs under
+    `runs` (every `records.jsonl` of a run folder named `<model>-...`; a record counts when its
+    verdict is True), rounded up to the sizing grid of 64 tokens; None when no answer was solved."""
+    got = sorted(int(r["output_tokens"]) for f in sorted(Path(runs).glob(f"**/{model}-*/records.jsonl"))
+                 for r in map(json.loads, f.read_text().splitlines()) if r.get("verdict") is True)
+    if not got:
+        return None
+    need = got[min(len(got) - 1, math.ceil(quantile * len(got)) - 1)] if quantile > 0 else got[0]
+    return -(-need // 64) * 64
+
+
+def fit_keeping_answers(requested: int, shape: JobShape, line: StepLine, load_seconds: float, seconds_left: float,
+                        margin: float, solved: int, min_problems: int = 2, min_tokens: int = 128,
+                        prefill: StepLine = StepLine(0.0, 0.0)) -> tuple[int, int, float, bool]:
+    """`fit_or_lighten`, but the accuracy signal goes last: answers stay at least `solved` tokens long
+    (what the model's solved answers need, `solved_tokens`). Every problem with the fidelity proxy if
+    that fits; else without it, the most tokens `P x T` down to `min_problems`; only when that does not
+    fit either are the answers cut below `solved` (`fit_or_lighten`, down to `min_tokens`; the note
+    then says no accuracy signal is expected)."""
+    floor = min(solved, shape.tokens)
+    tries = [(shape, requested)] if shape.fidelity else []
+    tries.append((dataclasses.replace(shape, fidelity=False), min_problems))
+    for sized, fewest in tries:
+        n, tokens, t = fit_job(requested, sized, line, load_seconds, seconds_left, margin, fewest, floor, prefill)
+        if t <= margin * seconds_left:
+            return n, tokens, t, sized.fidelity
+    return fit_or_lighten(requested, shape, line, load_seconds, seconds_left, margin, min_problems, min_tokens, prefill)
 
 
 def write_note(sizing: Sizing, path: Path, model: str) -> None:

@@ -5,7 +5,12 @@ model adapter (`retention.runtime.adapter`) is all that differs (the step forwar
 `S` sequence slots decode together, one token per slot per step, through one `RetentionCache` of `S`
 rows; row `r` is slot `r` (after the tail narrows, `RetentionCache.slots[r]`). A queue of requests (one per (problem, sample), drawn lazily) feeds the
 slots: a request's prompt is prefilled alone (batch 1, in a cache of its own, compacted by the policy
-as a single sequence would be), then its stored tokens are copied into its slot's row. A slot whose
+as a single sequence would be), then its stored tokens are copied into its slot's row. With
+`batch_prefill=True` (opt-in: it gives up the bfloat16 independence of a record from its neighbours,
+below) the prompts that start together (the first `S`, then the slots freed by one step) are
+prefilled in right-padded forwards of about a thousand tokens (`retention.runtime.prefill`; one at a
+time where the scorer reads the forward itself, `Scorer.batch_prefill`), each split into a cache of
+its own row. A slot whose
 sequence ends (EOS or length) hands its `Generation` to `on_finish` at once and takes the next
 request; when the queue is empty it stays in the batch as a padding row (one stored token, its
 output discarded, never compacted, no meter), so every decode step of a run has `S` rows until the
@@ -28,7 +33,10 @@ bfloat16 too, where the kernels round differently for each row count and each at
 record depends on the slot count (and the capacity, fixed per run by the longest prompt it will see,
 `max_prompt`) and on nothing else.
 
-Why the output of a sequence does not depend on its neighbours: the prefill runs alone; every decode
+Why the output of a sequence does not depend on its neighbours: the prefill runs alone (with
+`batch_prefill=True` a batched product may round a row differently in float32/bfloat16, so a record
+then depends on which prompts start together: `tests/retention/test_batch_composition.py` fails with
+it in bfloat16); every decode
 step attends within its own row (padding masked) at a fixed width; the cadence and the scorer's state
 are per row; sampling uses one `torch.Generator` per slot, seeded from the request's own seed when it
 starts. With `S = 1` this is the single-sequence loop of `retention.runtime.generate.generate`, whose
@@ -61,6 +69,7 @@ from retention.runtime.fidelity import Fidelity, step_agreement
 from retention.runtime.host_memory import keep_large_blocks
 from retention.runtime.meter import BudgetMeter
 from retention.runtime.policy import RetentionPolicy
+from retention.runtime.prefill import chunks, full_copy, prefill_alone, prefill_batch
 from retention.runtime.sampling import SamplingConfig, draw, sample_next, sample_rows, sample_tokens  # noqa: F401
 from retention.runtime.sequence import EngineStats, Generation, Request, SequenceState  # noqa: F401
 from retention.runtime.syncs import StepClock, synced_now
@@ -74,17 +83,6 @@ def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens
     if policy.scorer.evicts and c.evicts:
         return c.nominal + c.span + (prompt_length if c.protect_prompt else 0)
     return prompt_length + max_new_tokens
-
-
-def _full_copy(cache: RetentionCache, capacity: int) -> RetentionCache:
-    """A reference (never compacted) cache holding what single-row `cache` stores: its stores and
-    positions, not a scorer's per-token state."""
-    ref = RetentionCache.empty_like(cache, 1, capacity)
-    ref.load_row(0, cache)
-    for layer in ref.layers:
-        layer.extra = {}
-    ref.collect_attention = False
-    return ref
 
 
 class Engine:
@@ -102,7 +100,7 @@ class Engine:
                  eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                  keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                  on_token: Callable[[int, BudgetMeter], None] | None = None, max_prompt: int | None = None,
-                 shrink: bool = True):
+                 shrink: bool = True, batch_prefill: bool = False):
         self.model, self.policy, self.sampling, self.eos = model, policy, sampling, set(eos_token_ids)
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
@@ -122,6 +120,8 @@ class Engine:
         # A layout model's attention is this project's own matmul code, which the probe does not cover.
         self.shrink = shrink and self.S > 1 and not self.adapter.reference
         self._probe = TailProbe(model) if self.shrink else None
+        # Opt-in: prompts that start together share a forward unless the scorer reads the forward itself.
+        self.batch_prefill = batch_prefill and not self.adapter.reference and policy.scorer.batch_prefill
         self.stats = EngineStats(busy=self.S, rows=self.S)
         self.slots: list[SequenceState | None] = []  # the sequence of each slot (row); None: padding
         self.cache: RetentionCache | None = None
@@ -139,31 +139,61 @@ class Engine:
     def done(self) -> bool:
         return self._next is None and not self.rows
 
-    def _start(self, slot: int):
-        """Prefill the next request alone; returns its state, logits `[1, V]` and its caches."""
+    def _begin(self, slot: int) -> SequenceState:
+        """Take the next request onto `slot`: its per-slot state reset, its sampler seeded."""
         req, self._next = self._next, next(self._source, None)
-        dev, sampling, policy = self.device, self.sampling, self.policy
-        t0 = synced_now(dev)
-        P = len(req.prompt_ids)
-        policy.reset_slot(slot, req.seed)
-        if sampling.temperature > 0:
-            self.gens[slot] = torch.Generator(device=dev).manual_seed(req.seed)
-        st = SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=policy.cadence.budget,
-                                            budget_kib=policy.budget_kib), self.gens[slot],
-                           Fidelity() if self.fidelity else None, t0, logits=[] if self.keep_logits else None, slot=slot)
-        tmp = self.adapter.new_cache(P, policy.scorer)
-        tmp.slots, tmp.prompt_lengths = [slot], [P]
-        ids = torch.tensor([req.prompt_ids], device=dev)
-        pos = torch.arange(P, device=dev)[None]
-        lg = self.adapter.forward(ids, pos, tmp)
+        self.policy.reset_slot(slot, req.seed)
+        if self.sampling.temperature > 0:
+            self.gens[slot] = torch.Generator(device=self.device).manual_seed(req.seed)
+        return SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=self.policy.cadence.budget,
+                                              budget_kib=self.policy.budget_kib), self.gens[slot],
+                             Fidelity() if self.fidelity else None, synced_now(self.device),
+                             logits=[] if self.keep_logits else None, slot=slot)
+
+    def _start(self, slots: list[int]) -> list:
+        """Prefill the next requests onto `slots` (as many as are queued): `(state, logits [1, V],
+        cache, reference cache)` per started slot. Together, in right-padded forwards of about a
+        thousand tokens (`retention.runtime.prefill`), where the scorer allows it; else each alone,
+        its prefill compaction before the next prompt's forward (a scorer's recorded queries)."""
+        n = len(slots)
+        if self._next is None or n == 0:
+            return []
+        if n == 1 or not self.batch_prefill:
+            out = []
+            while self._next is not None and len(out) < n:
+                st = self._begin(slots[len(out)])
+                lg, tmp = prefill_alone(self.adapter, st.req.prompt_ids, st.slot, self.policy.scorer, self.device)
+                self.stats.prefill_batches += 1
+                out.append(self._prefilled(st, lg, tmp, st.t0))
+            return out
+        states = []
+        while self._next is not None and len(states) < n:
+            states.append(self._begin(slots[len(states)]))
+        t0 = states[0].t0
+        prompts = [st.req.prompt_ids for st in states]
+        logits, caches = [None] * len(states), [None] * len(states)
+        for grp in chunks([len(p) for p in prompts]):
+            lg, cs = prefill_batch(self.adapter, [prompts[i] for i in grp], self.policy.scorer, self.device)
+            for j, i in enumerate(grp):
+                logits[i], caches[i] = lg[j:j + 1], cs[j]  # [1, V], a single-row cache
+            self.stats.prefill_batches += 1
+        return [self._prefilled(st, lg, tmp, t0 if i == 0 else None)
+                for i, (st, lg, tmp) in enumerate(zip(states, logits, caches))]
+
+    def _prefilled(self, st: SequenceState, lg: torch.Tensor, tmp: RetentionCache, t0: float | None):
+        """After a sequence's prefill: its meter, reference copy and prefill compaction, as alone
+        (`t0`: when the prefill forward began, counted in `prefill_seconds`; None: counted already)."""
+        dev, policy, P = self.device, self.policy, len(st.req.prompt_ids)
+        tmp.slots, tmp.prompt_lengths = [st.slot], [P]
         st.meter.record_prefill(tmp.stored_lengths())
         tmp_ref = None
         if self.fidelity:  # the full cache of the prompt is what the prefill just stored: a copy, before
-            tmp_ref = _full_copy(tmp, P + sampling.max_new_tokens)  # any compaction (its forward is this one)
+            tmp_ref = full_copy(tmp, P + self.sampling.max_new_tokens)  # any compaction (its forward is this one)
             st.fid.add(lg[0], lg[0])
             self.stats.start_syncs += 1
         t_c = synced_now(dev)
-        self.stats.prefill_seconds += t_c - t0
+        if t0 is not None:
+            self.stats.prefill_seconds += t_c - t0
         if policy.after_forward(tmp, P, st.meter, prefill=True):
             dt = synced_now(dev) - t_c
             st.compact_s.append(dt)
@@ -187,18 +217,24 @@ class Engine:
         if self.on_finish is not None:
             self.on_finish(st.req, g)
 
-    def _admit(self, slot: int):
-        """Start requests on `slot` until one survives its first token (or the queue is empty)."""
-        while self._next is not None:
-            st, lg, tmp, tmp_ref = self._start(slot)
-            toks, reads = draw(self.policy.decoding.adjust(lg, [slot], [st.out]), self.sampling, [self.gens[slot]])
-            tok = toks.tolist()[0]
-            self.stats.start_syncs += 1 + reads
-            if self._take(st, tok, lg[0]):
-                self._finish(st)
-                continue
-            return st, tmp, tmp_ref
-        return None
+    def _admit(self, slots: list[int]) -> list:
+        """Start requests on `slots` until each holds one that survives its first token (or the queue
+        is empty): per slot, `(state, cache, reference cache)` or None (padding)."""
+        got: dict[int, tuple] = {}
+        pending = list(slots)
+        while pending and self._next is not None:
+            started = self._start(pending)
+            retry = []
+            for st, lg, tmp, tmp_ref in started:
+                toks, reads = draw(self.policy.decoding.adjust(lg, [st.slot], [st.out]), self.sampling, [st.gen])
+                self.stats.start_syncs += 1 + reads
+                if self._take(st, toks.tolist()[0], lg[0]):
+                    self._finish(st)
+                    retry.append(st.slot)
+                else:
+                    got[st.slot] = (st, tmp, tmp_ref)
+            pending = retry + pending[len(started):]
+        return [got.get(slot) for slot in slots]
 
     def _load(self, slot: int, got) -> None:
         """Put a started sequence `(state, cache, reference cache)` into `slot`; None: padding."""
@@ -217,7 +253,7 @@ class Engine:
         """Start the first `batch_size` requests and build the batch caches: `S` rows of
         `default_capacity` at the run's longest prompt (`b + N` for an evicting policy; prompt + new
         tokens for `full`), static when `S > 1`; slots left without a request are padding."""
-        started = [self._admit(slot) for slot in range(self.S)]
+        started = self._admit(list(range(self.S)))
         first = next((got for got in started if got is not None), None)
         if first is None:
             return
@@ -306,6 +342,7 @@ class Engine:
         dt_c = clock.seconds(t_c, t_end) if compacted else None
         if dt_c is not None:
             stats.compaction_seconds += dt_c
+        ended = []
         for i, r in enumerate(act):
             st = slots[r]
             st.decode_s.append(dt)
@@ -316,7 +353,9 @@ class Engine:
                 st.fid.top1_agree.append(bool(read[2 * A + i]))
             if self._take(st, int(read[i]), logits[r]):
                 self._finish(st)
-                self._load(r, self._admit(r))
+                ended.append(r)
+        for r, got in zip(ended, self._admit(ended)):  # the freed slots start together
+            self._load(r, got)
         self._release_padding()
         stats.allocated_bytes = max(stats.allocated_bytes, cache.allocated_bytes())
 
@@ -361,7 +400,7 @@ def run_engine(model, requests: Iterable[Request], policy: RetentionPolicy, samp
                keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                on_token: Callable[[int, BudgetMeter], None] | None = None,
                on_step: Callable[[EngineStats], None] | None = None, max_prompt: int | None = None,
-               shrink: bool = True) -> EngineStats:
+               shrink: bool = True, batch_prefill: bool = False) -> EngineStats:
     """Decode every request under `policy` in `batch_size` slots (see module doc).
 
     on_finish(request, generation): called as each sequence ends, in finishing order.
@@ -370,7 +409,7 @@ def run_engine(model, requests: Iterable[Request], policy: RetentionPolicy, samp
     """
     eng = Engine(model, requests, policy, sampling, eos_token_ids, kib_per_token, batch_size=batch_size,
                  fidelity=fidelity, keep_logits=keep_logits, on_finish=on_finish, on_token=on_token,
-                 max_prompt=max_prompt, shrink=shrink)
+                 max_prompt=max_prompt, shrink=shrink, batch_prefill=batch_prefill)
     with torch.inference_mode(), policy.attach(model):
         eng.fill()
         while eng.rows:

@@ -105,6 +105,14 @@ class BudgetMeter:
         return self.mean * self.kib_per_token
 
     @property
+    def peak_kib(self) -> float:
+        """The most KiB stored at a decode step (what a state reported, else peak tokens x kib_per_token):
+        what a fixed memory must hold per sequence."""
+        if self._kib_steps and self._kib_steps == self._steps:
+            return self._kib_peak
+        return self.peak * self.kib_per_token
+
+    @property
     def mean_buffer(self) -> float:
         """Mean buffer slots per (layer, KV head) over decode steps, holes included (module doc)."""
         return self._buffer_sum / self._steps if self._steps else float(self._final)

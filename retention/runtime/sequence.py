@@ -47,6 +47,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     compaction_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    prefill_batches: int = 0  # prefill forwards (one per prompt alone; one per chunk of prompts together)
     fidelity_seconds: float = 0.0  # the reference forward and the KL figures of the decode steps
     allocated_bytes: int = 0
     host_syncs: int = 0  # deliberate host reads of decode steps (the docstring's one per step)

@@ -93,6 +93,7 @@ class Alpha(TriAttention):
     `routing` as for `triattention`. Protects nothing by default."""
 
     name: ClassVar[str] = "alpha"
+    batch_prefill: ClassVar[bool] = True  # its observe reads the values each row stored (`written_slots`)
 
     # Per-head keys and values, or an MLA latent (with the model's up-projections), and the statistics.
     reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"keys", "values", "calibration"}),

@@ -95,6 +95,11 @@ class Scorer:
     default_recent: ClassVar[int] = 0
     # False for `full`: the policy never compacts.
     evicts: ClassVar[bool] = True
+    # True: what the scorer learns from a forward it reads from the cache's stored tokens (its `observe`
+    # on a row's own cache), never from the forward itself (recorded queries, attention), so the engine
+    # may prefill prompts that start together in one right-padded forward (`retention.runtime.prefill`)
+    # whose padding such a scorer never sees. False (the safe default): each prompt is prefilled alone.
+    batch_prefill: ClassVar[bool] = False
 
     def reading(self) -> tuple[frozenset[str], ...]:
         """What this instance reads (`reads`, or fewer alternatives when a parameter fixes one)."""

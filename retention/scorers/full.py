@@ -9,6 +9,7 @@ from retention.scorers.base import Scorer
 @dataclass
 class Full(Scorer):
     name: ClassVar[str] = "full"
+    batch_prefill: ClassVar[bool] = True  # reads no query or attention of the forward
     evicts = False
 
     def score(self, view):  # never called: the policy does not compact when `evicts` is False

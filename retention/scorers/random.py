@@ -14,6 +14,7 @@ from retention.scorers.base import Scorer, topk_keep
 @dataclass
 class RandomScorer(Scorer):
     name: ClassVar[str] = "random"
+    batch_prefill: ClassVar[bool] = True  # reads no query or attention of the forward
     seed: int = 0
     _gens: dict = field(default_factory=dict, init=False, repr=False)  # slot -> torch.Generator
 

@@ -9,6 +9,7 @@ from retention.scorers.base import Scorer
 @dataclass
 class Streaming(Scorer):
     name: ClassVar[str] = "streaming"
+    batch_prefill: ClassVar[bool] = True  # reads no query or attention of the forward
     default_sink = 4
 
     def score(self, view):

@@ -130,6 +130,7 @@ class TriAttention(Scorer):
     default location), `routing` (`shared` | `per-layer`). Protects nothing by default."""
 
     name: ClassVar[str] = "triattention"
+    batch_prefill: ClassVar[bool] = True  # reads no query or attention of the forward
 
     # Per-head post-RoPE keys, or an MLA latent (with the model's up-projections), and the statistics.
     reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"keys", "calibration"}),
