@@ -14,6 +14,7 @@ import numpy as np
 
 from protocol import report_figures
 from protocol.design_space import design_space_lines
+from protocol.diagnostics import sceptic_lines
 from protocol.errors import ProtocolError
 from protocol.io import dumps, ensure_dir, load_json_object, write_atomic
 from protocol.report_fidelity import summary_lines
@@ -95,6 +96,7 @@ def terminal_summary(rep) -> str:
                        "configurations (accuracy or proxy constant)")
     out += summary_lines(rep.fidelity)
     out += design_space_lines(rep.design_space)
+    out += sceptic_lines(rep.sceptic)
     prov = rep.provenance
     if prov["plan_hashes"]:
         out.append(f"plan: {', '.join(h[:12] for h in prov['plan_hashes'])}; "
@@ -318,6 +320,8 @@ def write_report(rep, out_dir) -> list[Path]:
         put("fidelity_exploratory.csv", pd.DataFrame(rep.fidelity).to_csv(index=False))
     if design_space_lines(rep.design_space):
         put("design_space.csv", pd.DataFrame(rep.design_space).to_csv(index=False))
+    if rep.sceptic:
+        put("diagnostics.csv", pd.DataFrame(rep.sceptic).to_csv(index=False))
     if any(r["compacted"] is not None or r["traced"] for r in rep.failure_modes):  # records of this harness
         put("failure_modes.csv", pd.DataFrame(rep.failure_modes).convert_dtypes().to_csv(index=False))
     put("report.tex", to_latex(rep))
