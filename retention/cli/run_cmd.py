@@ -167,7 +167,8 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     shared = {"--lambda": lam, "--radius": radius, "--window": window, "--stats": stats_path}
     options = resolve(names, shared, params)  # per listed scorer; an option no listed scorer takes is an error
     if protect_prompt and prompt_rule not in (None, "keep-on-top"):
-        raise RetentionError(f"--protect-prompt keeps the prompt on top of b; --prompt-rule {prompt_rule} says otherwise")
+        raise RetentionError(f"--protect-prompt keeps the prompt on top of b; --prompt-rule {prompt_rule} "
+                             "says otherwise")
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
             "accounting": accounting, "sink": sink, "recent": recent,
             "protect_prompt": protect_prompt or prompt_rule == "keep-on-top",

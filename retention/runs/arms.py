@@ -205,7 +205,8 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 # samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
 # so that `confirm` can compare what was planned with what ran, key by key.
 _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent",
-             "protect_prompt", "protect_prompt_counted", "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos",
+             "protect_prompt", "protect_prompt_counted", "temperature", "top_p", "dtype", "device", "data", "limit",
+             "fidelity", "ignore_eos",
              "engine", "dataset", "cadence", "routing", "state", "decoding", "sampler"}
 
 

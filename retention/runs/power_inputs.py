@@ -102,8 +102,8 @@ def plan_wall_time(plan: dict, slots: int, splits_dir=None) -> dict:
         line, fill, figures = measured[cell["model"]]
         evicting = sum(a.get("budget") is not None for a in arms)
         sequences = confirm_problems(plan, arms[0]) * int(plan["k"])
-        cells[cell["id"]] = confirm_seconds(sequences, int(plan["max_new_tokens"]), slots, evicting, len(arms) - evicting,
-                                            line, fill, figures["load_seconds"])
+        cells[cell["id"]] = confirm_seconds(sequences, int(plan["max_new_tokens"]), slots, evicting,
+                                            len(arms) - evicting, line, fill, figures["load_seconds"])
     return {"host": platform.node(), "slots": slots, "pessimistic": "every answer runs to max_new_tokens",
             "measured": {m: f for m, (_, _, f) in measured.items()}, "cells_seconds": cells,
             "total_seconds": sum(cells.values())}

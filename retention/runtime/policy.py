@@ -144,7 +144,8 @@ class RetentionPolicy:
 
 def cadence_for(scorer: Scorer, budget: int | None, interval: int | None = None, accounting: str = "mean",
                 sink: int | None = None, recent: int | None = None, protect_prompt: bool = False,
-                kind: type[Cadence] = Cadence, params: dict | None = None, prompt_counted: bool | None = None) -> Cadence:
+                kind: type[Cadence] = Cadence, params: dict | None = None,
+                prompt_counted: bool | None = None) -> Cadence:
     """The cadence (`kind`, with its own `params`) of `scorer` at `budget`: no budget for a scorer
     that never evicts, the default interval `min(128, B)` (shortened so that `b` stays at least the
     protected tokens + 1 under the cadence's span), the scorer's own protected tokens unless
