@@ -8,12 +8,13 @@ unchanged by the prompt rule's new key.
 """
 
 import json
-import shutil
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import save_file
 
+from retention.cli import main
 from retention.errors import RetentionError
 from retention.runs.arms import validate_arm
 from retention.runs.conformance import check_case, check_dir, load_case, shipped_dir
@@ -169,3 +170,16 @@ def test_counted_prompt_is_capped_inside_b():
     assert (top.protected_prompt(300, 100), top.keep(300)) == (300, 400)
     assert Cadence(budget=100, interval=10).protected_prompt(30, 100) == 0
     assert make_scorer("random-pp").default_prompt == "keep"
+
+
+def test_the_cli_rule_reaches_every_listed_arm(tmp_path):
+    res = CliRunner().invoke(main, ["run", "--model", "tiny-random", "--scorer", "random", "--budget", "64",
+                                    "--protect-prompt", "--prompt-rule", "keep", "--limit", "1", "--out", str(tmp_path)])
+    assert res.exit_code == 1 and res.output.count("\n") == 1 and "--prompt-rule keep" in res.output
+    res = CliRunner().invoke(main, ["run", "--model", "tiny-random", "--scorer", "random,random-pp", "--budget", "128",
+                                    "--prompt-rule", "keep", "--limit", "1", "--max-new-tokens", "2", "--quiet",
+                                    "--out", str(tmp_path / "runs")])
+    assert res.exit_code == 0, res.output
+    configs = [json.loads(p.read_text())["config"] for p in sorted((tmp_path / "runs").glob("*/config.json"))]
+    assert sorted(c["scorer"] for c in configs) == ["random", "random-pp"]
+    assert all(c["protect_prompt_counted"] is True and c["protect_prompt"] is False for c in configs)
