@@ -100,7 +100,7 @@ def test_refusals_and_the_record():
                                            "total_seconds": 7200.0})
     assert rec["allow_underpowered"] is True and set(rec["cells"]) == {"a", "b"}
     lines = power_lines({"power": rec})
-    assert len(lines) == 3 and "above the bound, allowed" in lines[1] and "2.00 h" in lines[2]
+    assert len(lines) == 3 and "above the bound of 10 pp, allowed" in lines[1] and "2.00 h" in lines[2]
     assert "not computed" in power_lines({})[0]
 
 
