@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from retention.cli.options import splits_dir_option
+from retention.cli.options import bounded, splits_dir_option
 from retention.cli.view_cmd import echo_site, pieces_option_value, tokenizer_option
 from retention.errors import RetentionError
 from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
@@ -174,9 +174,10 @@ def _budget(text: str):
 @click.option("--dev", "dev_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Dev runs (run directories or folders of them; repeat): each cell's power comes from the dev runs "
                    "of its model and budget whose arms are the plan's treatment and baseline (docs/power.md).")
-@click.option("--power", "target_power", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.8,
+@click.option("--power", "target_power", type=float, default=0.8, callback=bounded("--power", 0, 0.999, lo_open=True),
               show_default=True, help="Power at which each cell's minimum detectable effect (MDE) is computed.")
-@click.option("--mde-bound", type=click.FloatRange(0, min_open=True), default=10.0, show_default=True,
+@click.option("--mde-bound", type=float, default=10.0, callback=bounded("--mde-bound", 0, 100, lo_open=True),
+              show_default=True,
               help="Largest MDE (percentage points) a cell may have; a plan above it is refused without "
                    "--allow-underpowered.")
 @click.option("--allow-underpowered", is_flag=True,
