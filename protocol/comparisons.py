@@ -24,7 +24,7 @@ from protocol.diagnostics import effect_vs_n
 from protocol.errors import ProtocolError
 from protocol.exploration import explored_ids
 from protocol.provenance import check_given, cell_status, is_confirm_run, ledger_cell_of
-from protocol.runs import Run, pair_runs
+from protocol.runs import Run, pair_runs, prompt_convention
 
 BASELINE_SCORER = "triattention"
 SUBSET_BOOT = 20_000  # resamples per nested-subset test: a diagnostic, not a decision
@@ -246,6 +246,8 @@ def compare(pairs: list, tests: list[dict], summaries: dict, prov: dict, subset_
             "p_signflip": res.p_signflip, "p_mcnemar": res.p_mcnemar,
             "p_bonferroni": res.p_bonferroni, "p_holm": float("nan"), "m": test["m"],
             "test_source": test["source"], "mde_pp": 100 * res.mde, "verdict": _short_verdict(res),
+            "t_prompt": t.prompt_rule, "b_prompt": b.prompt_rule,
+            "prompt_convention": prompt_convention(t.prompt_rule, b.prompt_rule),
         }
         for prefix, s in (("t_", summaries[id(t)]), ("b_", summaries[id(b)])):
             for key in ("cache_mean_tokens", "cache_peak_tokens", "kib_per_token",

@@ -89,7 +89,7 @@ def design_space_rows(comparisons: list[dict], runs: list, arms: list[dict]) -> 
             "t_cache_mean_kib": ta.get("cache_mean_kib"), "b_cache_mean_kib": ba.get("cache_mean_kib"),
             "t_cache_mean_buffer_tokens": ta.get("cache_mean_buffer_tokens"),
             "b_cache_mean_buffer_tokens": ba.get("cache_mean_buffer_tokens"),
-            "accounting": c.get("accounting"),
+            "accounting": c.get("accounting"), "prompt_convention": c.get("prompt_convention"),
             "iso_prefill_delta_pp": iso["delta_pp"] if iso else None,
             "iso_prefill_p": iso["p_bootstrap"] if iso else None,
             "iso_prefill_cache_mean_tokens": iso.get("t_cache_mean_tokens") if iso else None,
@@ -111,7 +111,8 @@ def design_space_lines(rows: list[dict]) -> list[str]:
                    f"Δ {r['delta_pp']:+.2f} pp [{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}], "
                    f"p = {r['p_bootstrap']:.3g}, p_bonf = {r['p_bonferroni']:.3g}, {r['verdict']}; "
                    f"cache {_num(r['t_cache_mean_tokens'])} / {_num(r['b_cache_mean_tokens'])} tokens, "
-                   f"{_num(r['t_cache_mean_kib'])} / {_num(r['b_cache_mean_kib'])} KiB; " + _buffers(r) + _iso(r))
+                   f"{_num(r['t_cache_mean_kib'])} / {_num(r['b_cache_mean_kib'])} KiB; " + _buffers(r) + _iso(r)
+                   + (f"; {r['prompt_convention']}" if r.get("prompt_convention") else ""))
     return out
 
 

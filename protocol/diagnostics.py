@@ -4,18 +4,29 @@
 * `effect_vs_n`: the paired test on nested random subsets of problems (a gain that shrinks with n);
 * `aggregate_trace`: per-step cache length across records on a common step grid;
 * `accounting_effects`: the iso-cache check (the same comparison under `prefill` and `mean`);
-* `proxy_agreement`: fidelity proxies beside accuracy, with their Spearman correlation.
+* `proxy_agreement`: fidelity proxies beside accuracy, with their Spearman correlation;
+* `sceptic_diagnostics`: what a sceptical reader asks of an arm (acc_strict, truncated and looping
+  answers, whether and how much of each answer the mechanism acted on, a guessing baseline, the
+  prompt's retention), each definition in its function's docstring and in docs/statistics.md.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 
 from protocol import stats
 from protocol.report_fidelity import noise_floor
 from protocol.runs import Run, correct
+
+# A looping answer: its last LOOP_TAIL tokens repeat with a period of at most LOOP_PERIOD tokens
+# (so at least three times over), the degenerate repetition a broken cache produces.
+LOOP_TAIL = 192
+LOOP_PERIOD = 64
+# The guessing baseline's small integers: a gold of 0..6 is what a model guesses right by chance.
+SMALL_GOLD = re.compile(r"[0-6]")
 
 
 def _mean(values) -> float:
@@ -39,7 +50,8 @@ def summarize_run(run: Run) -> dict:
         "run_id": run.run_id, "label": run.label, "model": run.model, "dataset": run.dataset,
         "model_quant": run.config.get("model_quant"), "code_version": run.meta.get("code_version"),
         "budget": run.budget, "budget_kib": run.config.get("budget_kib"),  # a --budget-bytes arm: labelled by KiB
-        "scorer": run.scorer, "accounting": run.accounting, "split": run.split, "n_problems": len(problems),
+        "scorer": run.scorer, "prompt": run.prompt_rule,
+        "accounting": run.accounting, "split": run.split, "n_problems": len(problems),
         "n_records": len(recs), "accuracy": acc, "acc_ci95_lo": acc - 1.96 * se,
         "acc_ci95_hi": acc + 1.96 * se,
         "cache_mean_tokens": _mean(r.get("cache_mean_tokens") for r in recs),
@@ -194,3 +206,97 @@ def proxy_agreement(arms: list[dict]) -> tuple[list[dict], list[dict]]:
                 corr.append({"proxy": proxy, "n_configs": len(pts), "spearman_rho": float("nan"),
                              "p": float("nan")})
     return rows, corr
+
+
+def is_looping(tokens, tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD) -> bool:
+    """Whether the last `tail` of `tokens` (ids, or the characters of a text) is periodic with a period
+    of at most `max_period`; an answer shorter than `tail` is not counted as looping."""
+    seq = np.asarray([ord(c) for c in tokens] if isinstance(tokens, str) else list(tokens), dtype=np.int64)
+    if seq.size < tail:
+        return False
+    t = seq[-tail:]
+    return any(bool((t[p:] == t[:-p]).all()) for p in range(1, max_period + 1))
+
+
+def small_gold(gold) -> bool:
+    """A gold answer that is a small integer 0..6 (surrounding spaces and `$` ignored)."""
+    return gold is not None and bool(SMALL_GOLD.fullmatch(str(gold).strip().strip("$").strip()))
+
+
+def first_compaction_step(run: Run, rec: dict, trace: dict | None) -> int | None:
+    """Output tokens generated when the record's first compaction ran (0: at prefill); None when it
+    never compacted or the step cannot be known. From the record's cache trace when there is one;
+    else from the fixed cadence of the run's configuration (`nominal_b` + `interval`, the prompt on
+    top with `protect_prompt`): a prompt longer than `b` compacts at prefill, otherwise the first
+    compaction comes when prompt + output reach `b + N`. Another cadence without a trace: None."""
+    if not rec.get("compactions"):
+        return None
+    if trace is not None and trace.get("compactions"):
+        return int(trace["compactions"][0]["step"])
+    cfg = run.config
+    b, n, prompt = cfg.get("nominal_b"), cfg.get("interval"), rec.get("prompt_tokens")
+    if cfg.get("cadence") is not None or b is None or n is None or prompt is None:
+        return None
+    if cfg.get("protect_prompt"):
+        return int(b + n)
+    return 0 if prompt > b else int(b + n - prompt)
+
+
+def sceptic_diagnostics(run: Run) -> dict:
+    """One arm's diagnostics (docs/statistics.md, "Diagnostics"), shares of its records:
+
+    * `acc_strict`: correct and finished within the token limit (`finish_reason` not `length`);
+    * `truncated_share`, `looping_share` (`is_looping` on the output ids, else the text);
+    * `compacted_share`: records with at least one compaction (None without `compactions`);
+    * `after_compaction_share`: mean over records of the share of the answer written after its first
+      compaction (0 for a record that never compacted; None when some compacted record's step is
+      unknown, `first_compaction_step`);
+    * the guessing baseline: `small_gold_correct_share`, the share of correct records whose gold is
+      0..6, beside `small_gold_problem_share`, the share of the run's problems whose gold is;
+    * the prompt: the arm's rule, `prompt_evicted_share` (records whose prompt lost a position from
+      some group and head) and `prompt_held_final` (mean share of the prompt held at the end), both
+      from cache traces (None without them)."""
+    recs = run.records
+    traces = {(str(t.get("problem_id")), int(t.get("sample", 0))): t for t in (run.trace or [])}
+    n = len(recs)
+    ok = [bool(correct(r)) for r in recs]
+    share = (lambda xs: float(np.mean(xs)) if len(xs) else float("nan"))  # noqa: E731
+
+    after, known = [], True
+    for r in recs:
+        out = int(r.get("output_tokens") or 0)
+        step = first_compaction_step(run, r, traces.get((str(r["problem_id"]), int(r["sample"]))))
+        if r.get("compactions") and step is None:
+            known = False
+        after.append(0.0 if step is None or out == 0 else max(out - step, 0) / out)
+    golds = {str(r["problem_id"]): r.get("gold") for r in recs}
+    right = [r for r, c in zip(recs, ok) if c]
+    evicted = [r["prompt_evicted_step"] is not None for r in recs if "prompt_evicted_step" in r]
+    held = [r["prompt_held_final"] for r in recs if r.get("prompt_held_final") is not None]
+    return {
+        "label": run.label, "model": run.model, "budget": run.budget, "split": run.split, "records": n,
+        "accuracy": share(ok),
+        "acc_strict": share([c and r.get("finish_reason") != "length" for r, c in zip(recs, ok)]),
+        "truncated_share": share([r.get("finish_reason") == "length" for r in recs]),
+        "looping_share": share([is_looping(r.get("output_token_ids") or r.get("text") or "") for r in recs]),
+        "compacted_share": (share([bool(r.get("compactions")) for r in recs])
+                            if all("compactions" in r for r in recs) else None),
+        "after_compaction_share": share(after) if known else None,
+        "small_gold_correct_share": share([small_gold(r.get("gold")) for r in right]) if right else None,
+        "small_gold_problem_share": share([small_gold(g) for g in golds.values()]),
+        "prompt": run.prompt_rule,
+        "prompt_evicted_share": share(evicted) if evicted else None,
+        "prompt_held_final": share(held) if held else None,
+    }
+
+
+def sceptic_lines(rows: list[dict]) -> list[str]:
+    """The terminal's lines of `sceptic_diagnostics` rows, one per arm."""
+    pct = lambda x: "-" if x is None or x != x else f"{100 * x:.1f}%"  # noqa: E731
+    return [f"diagnostics {r['label']} ({r['model']}/{r['budget']}/{r['split']}): acc {pct(r['accuracy'])}, "
+            f"acc_strict {pct(r['acc_strict'])}, truncated {pct(r['truncated_share'])}, looping "
+            f"{pct(r['looping_share'])}, compacted {pct(r['compacted_share'])}, answer after 1st compaction "
+            f"{pct(r['after_compaction_share'])}; golds 0..6: {pct(r['small_gold_correct_share'])} of correct answers, "
+            f"{pct(r['small_gold_problem_share'])} of problems; prompt {r['prompt']}, evicted in "
+            f"{pct(r['prompt_evicted_share'])}, held at end {pct(r['prompt_held_final'])}" for r in rows]
+

@@ -14,6 +14,7 @@ import numpy as np
 
 from protocol import report_figures
 from protocol.design_space import design_space_lines
+from protocol.diagnostics import sceptic_lines
 from protocol.errors import ProtocolError
 from protocol.io import dumps, ensure_dir, load_json_object, write_atomic
 from protocol.report_fidelity import floor_lines, summary_lines
@@ -86,26 +87,29 @@ def _text_table(headers: list[str], rows: list[list[str]], left: int = 2) -> str
 
 def terminal_summary(rep) -> str:
     """A compact text table of the arms, one of the comparisons, and one line per diagnostic."""
-    arm_head = ["arm", "model", "data", "budget", "acct", "acc %", "mean cache", "peak", "KiB mean", "out len",
-                "trunc %", "KL mean", "top-1 %", "1st div", "tok/s"]
+    arm_head = ["arm", "model", "data", "budget", "acct", "prompt", "acc %", "mean cache", "peak", "KiB mean",
+                "out len", "trunc %", "KL mean", "top-1 %", "1st div", "tok/s"]
     arm_body = [[a["label"], _model(a["model"], a.get("model_quant")), _data(a), budget_label(a), a["accounting"],
-                 f"{100 * a['accuracy']:.1f}",
+                 a.get("prompt", "evict"), f"{100 * a['accuracy']:.1f}",
                  f"{a['cache_mean_tokens']:.1f}", f"{a['cache_peak_tokens']:.0f}", f"{a['cache_mean_kib']:.0f}",
                  f"{a['mean_output_tokens']:.0f}", f"{100 * a['truncation_rate']:.0f}",
                  _fmt_num(a["kl_mean"], ".4f"), _fmt_num(100 * a["top1_agreement"], ".1f"),
                  _fmt_num(a["first_divergence_median"], ".0f"), f"{a['tokens_per_second']:.1f}"]
                 for a in rep.arms]
-    head = ["model", "data", "budget", "treatment vs baseline", "acct", "acc T", "acc B", "Δ pp",
+    head = ["model", "data", "budget", "treatment vs baseline", "acct", "prompt", "acc T", "acc B", "Δ pp",
             "95% CI", "p", "p_bonf", "verdict", "n", "k", "matched", "cache T", "cache B"]
     body = [[_model(r["model"], r.get("t_model_quant")), _data(r), _pair_budget(rep, r),
              f"{r['treatment']} vs {r['baseline']}",
-             r["accounting"], f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
+             r["accounting"], _convention(r), f"{100 * r['acc_treatment']:.1f}", f"{100 * r['acc_baseline']:.1f}",
              f"{r['delta_pp']:+.2f}", f"[{r['ci95_lo_pp']:+.1f}, {r['ci95_hi_pp']:+.1f}]",
              _fmt_p(r["p_bootstrap"]), _fmt_p(r["p_bonferroni"]), r["verdict"], str(r["n"]),
              str(r["k"]), matched_unit(_pair_arms(rep, r)), _measured(r, "t_"), _measured(r, "b_")]
             for r in rep.comparisons]
     out = [*unconfirmed_banner(rep), _text_table(arm_head, arm_body, left=3), "",
            _text_table(head, body, left=3), *test_lines(rep)]
+    for r in rep.comparisons:
+        if str(r.get("prompt_convention", "")).startswith("MIXED"):
+            out.append(f"prompt {_where(r)} {r['treatment']} vs {r['baseline']}: {r['prompt_convention']}")
     for r in rep.comparisons:
         if r["confirmation"] not in ("dev", "confirmed"):
             out.append(f"status {_where(r)} {r['treatment']} vs {r['baseline']}: {r['confirmation']}")
@@ -124,12 +128,19 @@ def terminal_summary(rep) -> str:
                        "configurations (accuracy or proxy constant)")
     out += floor_lines(rep.arms) + summary_lines(rep.fidelity)
     out += design_space_lines(rep.design_space)
+    out += sceptic_lines(rep.sceptic)
     prov = rep.provenance
     if prov["plan_hashes"]:
         out.append(f"plan: {', '.join(h[:12] for h in prov['plan_hashes'])}; "
                    f"{len(prov['deviations'])} deviation(s) logged")
     out += [f"note: {n}" for n in rep.notes]
     return "\n".join(out)
+
+
+def _convention(r: dict) -> str:
+    """The comparison's prompt convention in a table cell: counted, on top (peers'), or MIXED."""
+    conv = str(r.get("prompt_convention") or "prompt counted")
+    return "MIXED" if conv.startswith("MIXED") else conv.removeprefix("prompt ")
 
 
 def _where(r: dict) -> str:
@@ -232,14 +243,14 @@ def to_latex(rep) -> str:
                     main)]
     arms = [[tex_escape(_model(a["model"], a.get("model_quant"))), tex_escape(_data(a)),
              tex_escape(budget_label(a)), tex_escape(a["label"]),
-             tex_escape(a["accounting"]), f"{100 * a['accuracy']:.1f}",
+             tex_escape(a["accounting"]), tex_escape(a.get("prompt", "evict")), f"{100 * a['accuracy']:.1f}",
              _tex_num(a["cache_mean_tokens"], ".0f"), _tex_num(a["cache_peak_tokens"], ".0f"),
              _tex_num(a["kib_per_token"], ".1f"), _tex_num(a["mean_output_tokens"], ".0f"),
              _tex_num(100 * a["truncation_rate"], ".1f"), str(a["budget_exceeded"])]
             for a in rep.arms]
     out.append(_tabular("Measured cache and generation per arm.", "tab:retention-arms",
-                        "lllllrrrrrrr",
-                        ["Model", "Data", "Budget", "Arm", "Acct.", "Acc. (\\%)", "Mean cache",
+                        "llllllrrrrrrr",
+                        ["Model", "Data", "Budget", "Arm", "Acct.", "Prompt", "Acc. (\\%)", "Mean cache",
                          "Peak cache", "KiB/token", "Mean len.", "Trunc. (\\%)", "Exceeded"], arms))
     if rep.accounting:
         acc = [[tex_escape(a["model"]), _fmt_budget(a["budget"]), tex_escape(a["treatment"]),
@@ -343,6 +354,8 @@ def write_report(rep, out_dir) -> list[Path]:
         put("fidelity_exploratory.csv", pd.DataFrame(rep.fidelity).to_csv(index=False))
     if design_space_lines(rep.design_space):
         put("design_space.csv", pd.DataFrame(rep.design_space).to_csv(index=False))
+    if rep.sceptic:
+        put("diagnostics.csv", pd.DataFrame(rep.sceptic).to_csv(index=False))
     if any(r["compacted"] is not None or r["traced"] for r in rep.failure_modes):  # records of this harness
         put("failure_modes.csv", pd.DataFrame(rep.failure_modes).convert_dtypes().to_csv(index=False))
     put("report.tex", to_latex(rep))

@@ -17,7 +17,7 @@ from protocol.comparisons import (BASELINE_SCORER, SUBSET_BOOT, budget_key, comp
                                   match_baseline, mixed_family, pair_tests, plan_comparisons, slot_notes)
 from protocol.design_space import design_space_rows
 from protocol.diagnostics import (accounting_effects, aggregate_trace, effect_vs_n,  # noqa: F401
-                                  proxy_agreement, subset_sizes, summarize_run)
+                                  proxy_agreement, sceptic_diagnostics, subset_sizes, summarize_run)
 from protocol.errors import ProtocolError
 from protocol.failure_modes import failure_modes
 from protocol.provenance import confirmation_status, is_confirm_run, provenance  # noqa: F401
@@ -46,13 +46,14 @@ class Report:
     fidelity: list = field(default_factory=list)  # exploratory paired test on the fidelity proxy
     design_space: list = field(default_factory=list)  # the comparisons grouped by family (protocol.design_space)
     failure_modes: list = field(default_factory=list)  # per run: compacted at all, prompt evicted (protocol.failure_modes)
+    sceptic: list = field(default_factory=list)  # per run: acc_strict, truncation, looping, guessing (diagnostics)
     runs: list = field(default_factory=list, repr=False)  # the loaded runs (the viewer reads them; not written)
 
     def to_dict(self) -> dict:
         return {"settings": self.settings, "comparisons": self.comparisons, "arms": self.arms,
                 "fidelity_exploratory": self.fidelity, "design_space": self.design_space,
                 "failure_modes": self.failure_modes,
-                "diagnostics": {"accounting": self.accounting, "subsets": self.subsets,
+                "diagnostics": {"accounting": self.accounting, "subsets": self.subsets, "sceptic": self.sceptic,
                                 "proxy": self.proxy, "proxy_correlation": self.proxy_corr},
                 "provenance": self.provenance, "notes": self.notes}
 
@@ -128,4 +129,5 @@ def report_from_runs(runs: list[Run], *, baseline: str | None = None, boot: int 
                   subsets=subsets, proxy=proxy, proxy_corr=corr, traces=traces,
                   provenance=prov, notes=notes, settings=settings,
                   fidelity=fidelity_comparisons(pairs, boot=settings["subset_boot"], seed=first["seed"]),
-                  design_space=design_space_rows(rows, runs, arms), failure_modes=failures, runs=runs)
+                  design_space=design_space_rows(rows, runs, arms), failure_modes=failures,
+                  sceptic=[sceptic_diagnostics(r) for r in ordered], runs=runs)

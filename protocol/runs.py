@@ -65,6 +65,12 @@ class Run:
         return str(self.meta.get("run_id") or self.path.name)
 
     @property
+    def prompt_rule(self) -> str:
+        """What the arm did with the prompt (docs/random-control.md): "evict" (an ordinary candidate),
+        "keep" (protected, counted inside b), "keep-on-top" (protected on top of b)."""
+        return prompt_rule(self.config)
+
+    @property
     def model(self) -> str:
         return str(self.config.get("model"))
 
@@ -111,6 +117,8 @@ class Run:
         """Scorer and declared parameters: what makes two runs the same arm in different cells."""
         engine = self.config.get("engine")  # a run of another engine (run --engine) is another arm
         prompt = "+protect-prompt" if self.config.get("protect_prompt") else ""  # the reference's prompt rule
+        counted = self.config.get("protect_prompt_counted")  # absent on runs before the key: as before
+        prompt += "" if counted is None else f"+prompt-counted={str(bool(counted)).lower()}"
         plugin = self.config.get("scorer_plugin")
         # A non-default cadence, routing, state or decoding is another arm (absent keys: as before).
         mechanisms = {k: self.config[k] for k in MECHANISM_KEYS if self.config.get(k) is not None}
@@ -334,6 +342,10 @@ def _set_label(run: Run) -> None:
             run.label += f"+{entry.get('name') if isinstance(entry, dict) else entry}"
     if run.config.get("protect_prompt"):  # the report says which prompt rule ran
         run.label += "+pp"
+    elif run.config.get("protect_prompt_counted"):  # kept inside b (random-pp's own rule)
+        run.label += "+pp-in"
+    elif run.config.get("protect_prompt_counted") is False and run.scorer == "random-pp":
+        run.label += "+no-pp"  # the preset with its prompt evictable
     if run.config.get("engine"):
         run.label += f"@{run.config['engine']}"
 
@@ -344,3 +356,24 @@ def _collisions(runs: list[Run]) -> list[list[Run]]:
         seen.setdefault((run.cell, run.label, run.accounting), []).append(run)
     return [g for g in seen.values() if len(g) > 1]
 
+
+
+# The two memory conventions an arm's prompt rule puts it in (docs/random-control.md).
+PROTOCOL_CONVENTION = "prompt counted"
+PEERS_CONVENTION = "prompt on top (peers')"
+
+
+def prompt_rule(config: dict) -> str:
+    """"evict", "keep" (counted inside b) or "keep-on-top" of a run configuration."""
+    if config.get("protect_prompt"):
+        return "keep-on-top"
+    return "keep" if config.get("protect_prompt_counted") else "evict"
+
+
+def prompt_convention(t_rule: str, b_rule: str) -> str:
+    """How a comparison's two arms count the prompt: the protocol's meter (both count it: matched
+    memory), the peers' (both keep it on top of b), or a mixed pair, said as such."""
+    conv = {rule: PEERS_CONVENTION if rule == "keep-on-top" else PROTOCOL_CONVENTION for rule in (t_rule, b_rule)}
+    if conv[t_rule] == conv[b_rule]:
+        return conv[t_rule]
+    return f"MIXED: treatment {conv[t_rule]}, baseline {conv[b_rule]} (memory not matched)"

@@ -58,7 +58,7 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
             temperature: float = 0.6, top_p: float = 0.95, sampler: str = DEFAULT_SAMPLER, ignore_eos: bool = False,
             interval: int | None = None,
             accounting: str = "mean", sink: int | None = None, recent: int | None = None,
-            protect_prompt: bool = False, dtype: str = "float32", device: str = "cpu", data_path: str | None = None,
+            protect_prompt: bool = False, protect_prompt_counted: bool | None = None, dtype: str = "float32", device: str = "cpu", data_path: str | None = None,
             out: str | Path = "results", batch_size: int | None = None, grade: bool = True,
             progress: bool = False, mechanisms: dict | None = None, trace: bool = False) -> list[dict]:
     """Generate one arm on the first `limit` problems of the dev split and return its records (the
@@ -79,6 +79,8 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
             "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
             "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
             "fidelity": False, "sampler": sampler, **sampling}
+    if protect_prompt_counted is not None:  # None: the scorer's own prompt rule
+        base["protect_prompt_counted"] = protect_prompt_counted
     spec = validate_arm(dict(base, scorer=name, scorer_params=scorer_params, **(mechanisms or {})))
     (run_dir,) = execute(model, dtype, device, [spec], split=split, data_path=data_path, limit=limit, samples=samples,
                          seed=seed, sampling=sampling, fidelity=False, grade=grade, out=Path(out),

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from retention.cli.options import splits_dir_option
+from retention.cli.options import bounded, splits_dir_option
 from retention.cli.view_cmd import echo_site, pieces_option_value, tokenizer_option
 from retention.errors import RetentionError
 from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
@@ -177,11 +177,25 @@ def _budget(text: str):
 @click.option("--supersedes", multiple=True, metavar="PLAN_HASH",
               help="A plan that already confirmed (or started) a cell of this one; needs --reason (repeat).")
 @click.option("--reason", default=None, help="Why the cells are confirmed again (with --supersedes).")
+@click.option("--dev", "dev_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Dev runs (run directories or folders of them; repeat): each cell's power comes from the dev runs "
+                   "of its model and budget whose arms are the plan's treatment and baseline (docs/power.md).")
+@click.option("--power", "target_power", type=float, default=0.8, callback=bounded("--power", 0, 0.999, lo_open=True),
+              show_default=True, help="Power at which each cell's minimum detectable effect (MDE) is computed.")
+@click.option("--mde-bound", type=float, default=10.0, callback=bounded("--mde-bound", 0, 100, lo_open=True),
+              show_default=True,
+              help="Largest MDE (percentage points) a cell may have; a plan above it is refused without "
+                   "--allow-underpowered.")
+@click.option("--allow-underpowered", is_flag=True,
+              help="Register a plan whose MDE is above --mde-bound (recorded in the plan).")
+@click.option("--time-slots", type=click.IntRange(min=1, max=4096), default=None,
+              help="Measure this host's decode step (each model loaded, a few steps of a dev problem at 1 and this "
+                   "many slots) and record the predicted wall time of the confirmation.")
 @splits_dir_option
 def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, baseline_set, samples,
                     seed, max_new_tokens, test, boot, boot_max, boot_seed, alpha, m,
                     model_revision, manifest_hash, code_version, config_schema, sampler, note, dataset, runner_spec,
-                    supersedes, reason, splits_dir):
+                    supersedes, reason, dev_paths, target_power, mde_bound, allow_underpowered, time_slots, splits_dir):
     """Write a content-hashed pre-registration plan for a confirm run.
 
     A plan whose cells another plan already confirmed or started (same model, budget, dataset and
@@ -225,6 +239,15 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     from retention.runs.smoke import check_plan_runs
 
     check_plan_runs(plan)  # built as confirm builds it; a plugin through its cheap checks on tiny-random
+    from retention.runs.power_inputs import with_power
+
+    plan, refused = with_power(plan, dev_paths, target_power, mde_bound, allow_underpowered, time_slots, splits_dir)
+    if refused:
+        mdes = ", ".join("undefined" if plan["power"]["cells"][c]["mde_pp"] is None
+                         else f"{plan['power']['cells'][c]['mde_pp']:.1f}" for c in refused)
+        raise click.ClickException(
+            f"cell(s) {', '.join(refused)} cannot detect less than {mde_bound:g} pp at power {target_power:g} "
+            f"(MDE {mdes} pp); raise k or the bound, or register anyway with --allow-underpowered")
     path, h, written = prereg.write_plan(plan, out)  # refuses an unacknowledged repeat of a cell
     state = "registered" if written else "already registered (unchanged)"
     click.echo(f"plan {h[:12]} {state}: {path}")
@@ -234,7 +257,12 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     click.echo(f"  {len(plan['cells'])} cell(s): {', '.join(c['id'] for c in plan['cells'])}; "
                f"k={plan['k']}, B={plan['test']['boot']}, alpha={plan['test']['alpha']}, "
                f"m={plan['test']['m']}")
+    from protocol.power import power_lines
+
+    for line in power_lines(plan):
+        click.echo(line)
     click.echo(f"  sha256 {h}")
+
 
 
 # --------------------------------------------------------------------------------------------------

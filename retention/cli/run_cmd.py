@@ -54,7 +54,11 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--recent", type=int, default=None, help="Protected most recent tokens (default: the scorer's).")
 @click.option("--protect-prompt", is_flag=True,
               help="The reference rule: prompt tokens are never evicted nor candidates; b + N applies to the "
-                   "generated tokens (the meter still counts the prompt).")
+                   "generated tokens (the meter still counts the prompt). The same as --prompt-rule keep-on-top.")
+@click.option("--prompt-rule", type=click.Choice(["evict", "keep", "keep-on-top"]), default=None,
+              help="What every listed arm does with the prompt: evict (an ordinary candidate), keep (protected and "
+                   "counted inside b: the protocol's meter), keep-on-top (protected on top of b: the peers' "
+                   "convention). Default: each scorer's own (random-pp: keep; the others: evict).")
 @click.option("--param", "params", multiple=True, metavar="SCORER.NAME=VALUE",
               help="One scorer's parameter, e.g. --param alpha.lam=0.5 --param rkv.lam=0.1 (repeatable).")
 @click.option("--lambda", "lam", type=float, default=None, help="alpha: redundancy penalty weight λ (default 0.5); rkv: mixing weight (default 0.1). Refused when both are listed, or with --param SCORER.lam.")
@@ -129,7 +133,8 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True,
               help="hf: this project's batched engine (every model and scorer; a DeepSeek-V2/V3 checkpoint "
                    "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
-def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, params, lam, radius,
+def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, prompt_rule,
+                params, lam, radius,
                 window, cadence, routing, state, decoding, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
                 sampler, seed, ignore_eos, fidelity, trace, no_grade, dtype, device, isa_portable, out, batch_size, quiet,
                 shard_text, ray_address, shards, gpus_per_shard, cpus_per_shard, retries, engine):
@@ -171,10 +176,16 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
         raise RetentionError(f"--routing {routing} is not a parameter of any listed scorer ({', '.join(names)})")
     shared = {"--lambda": lam, "--radius": radius, "--window": window, "--stats": stats_path}
     options = resolve(names, shared, params)  # per listed scorer; an option no listed scorer takes is an error
+    if protect_prompt and prompt_rule not in (None, "keep-on-top"):
+        raise RetentionError(f"--protect-prompt keeps the prompt on top of b; --prompt-rule {prompt_rule} "
+                             "says otherwise")
     base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
-            "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
+            "accounting": accounting, "sink": sink, "recent": recent,
+            "protect_prompt": protect_prompt or prompt_rule == "keep-on-top",
             "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
             "fidelity": fidelity, **sampling}
+    if prompt_rule in ("evict", "keep"):  # unset: each scorer's own rule (build_arm_config records it canonically)
+        base["protect_prompt_counted"] = prompt_rule == "keep"
     if budget_kib is not None:
         base["budget_kib"] = budget_kib
     if dataset != "math500":  # absent means math500: earlier configurations keep their hash

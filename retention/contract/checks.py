@@ -51,7 +51,7 @@ from retention.runs.scorer_options import scorer_fields
 from retention.runtime.cadence import Cadence
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
 from retention.runtime.policy import RetentionPolicy, cadence_for
-from retention.scorers import make_scorer
+from retention.scorers import get_scorer_class, make_scorer
 from retention.scorers.calibration import calibrate
 
 BUDGET, INTERVAL, NEW_TOKENS = 20, 4, 24
@@ -91,6 +91,10 @@ class _Kit:
         self.params = _stats_for(params, spec, self.loaded.model, tmp)
         arm = {"model": "tiny-random", "scorer": spec, "scorer_params": self.params, "interval": INTERVAL,
                **(mechanisms or {})}
+        if get_scorer_class(spec).default_recent >= BUDGET - INTERVAL // 2 - 1:
+            # A preset's window wider than the kit's b (random-pp's 64) is the cadence's, not the
+            # scorer's contract: checked with a window of N, its other defaults (the prompt rule) kept.
+            arm["recent"] = INTERVAL
         # The cadence's span at a budget any span fits, then the budget that keeps b at the fixed
         # cadence's (module doc): b = B - span//2 - 1 in mean accounting.
         span = validate_arm(dict(arm, budget=1 << 16)).cadence.span
@@ -264,7 +268,9 @@ class _PaddingPolicy(RetentionPolicy):
         nxt = [int(next_position)] * cache.rows if isinstance(next_position, int) else list(next_position)
         view = cache.view([nxt[r] for r in rows], sink=c.sink, recent=c.recent, rows=rows,
                           prompt_length=[cache.prompt_lengths[r] for r in rows], protect_prompt=c.protect_prompt,
-                          slots=[cache.slots[r] for r in rows])
+                          slots=[cache.slots[r] for r in rows],
+                          prompt_below=[c.protected_prompt(cache.prompt_lengths[r], k) for r in rows]
+                          if c.prompt_counted else None)
         self.scorer.select(self.scorer.score(view), view, k)  # the probe checks what comes back
         return did
 

@@ -48,6 +48,8 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
     the scorer's parameters with the statistics named by their sha256, and every non-default
     mechanism in canonical form (every parameter with its resolved value)."""
     cls = get_scorer_class(scorer)
+    base = dict(base)
+    counted = _prompt_counted(cls, base.pop("protect_prompt_counted", None), bool(base.get("protect_prompt")))
     fields = {f.name for f in dataclasses.fields(cls)} - {"seed"}
     params = {k: v for k, v in options.items() if k in fields and v is not None}
     given = {fam: _mechanism_arg(fam, (mechanisms or {}).get(fam)) for fam in FAMILIES}
@@ -98,7 +100,7 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
                                head_dims)
     cadence = cadence_for(scorer_obj, budget, base["interval"], base["accounting"], base["sink"], base["recent"],
                           protect_prompt=bool(base.get("protect_prompt")), kind=mechanism_class("cadence", cname),
-                          params=cspec.kwargs)
+                          params=cspec.kwargs, prompt_counted=counted)
     identity = scorer_identity(scorer)
     if identity is not None:  # a plugin: its code is part of what the arm is
         extra["scorer_plugin"] = identity
@@ -109,8 +111,25 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
     families = {fam: m.record() for fam, m in {**specs, "cadence": cspec}.items() if not m.is_default}
     config = dict(base, scorer=scorer, scorer_params=recorded, budget=cadence.budget, interval=cadence.interval,
                   sink=cadence.sink, recent=cadence.recent, nominal_b=cadence.nominal, **extra, **families)
+    # The counted prompt rule is recorded where it is set, and always for a preset whose own rule
+    # is not "evict" (so that its canonical form names the rule that ran); absent: as before the key.
+    if cadence.prompt_counted or cls.default_prompt != "evict":
+        config["protect_prompt_counted"] = bool(cadence.prompt_counted)
     return ArmSpec(MechanismSpec.of("scorer", scorer, params, identity), cadence, cspec, specs["routing"],
                    specs["state"], specs["decoding"], canonical_json(config))
+
+
+def _prompt_counted(cls, given, on_top: bool) -> bool:
+    """Whether the prompt is protected inside b: `given` (a configuration's `protect_prompt_counted`,
+    None when unset) or the scorer's own rule (`default_prompt`) unless the prompt is kept on top."""
+    if given is None:
+        return cls.default_prompt == "keep" and not on_top
+    if not isinstance(given, bool):
+        raise RetentionError(f"protect_prompt_counted must be true or false, got {given!r}")
+    if given and on_top:
+        raise RetentionError("the prompt is either kept on top of b (--protect-prompt) or counted inside b "
+                             "(--prompt-rule keep), not both")
+    return given
 
 
 def _mechanism_arg(fam: str, value) -> tuple[str, dict, dict | None]:
@@ -193,7 +212,8 @@ def _resolve_stats(path: str | None, model: str) -> tuple[str, str]:
 # samples, seed, max_new_tokens, split). Names are those of the run configuration (docs/records.md)
 # so that `confirm` can compare what was planned with what ran, key by key.
 _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interval", "accounting", "sink", "recent",
-             "protect_prompt", "temperature", "top_p", "dtype", "device", "data", "limit", "fidelity", "ignore_eos",
+             "protect_prompt", "protect_prompt_counted", "temperature", "top_p", "dtype", "device", "data", "limit",
+             "fidelity", "ignore_eos",
              "engine", "dataset", "cadence", "routing", "state", "decoding", "sampler"}
 
 

@@ -35,6 +35,8 @@ from safetensors import safe_open
 
 from retention.errors import RetentionError
 from retention.runs.conformance_routing import CHECKERS as ROUTING_CHECKERS
+from retention.runs.conformance_random import CHECKERS as RANDOM_CHECKERS
+from retention.runs.conformance_random import RANDOM
 from retention.runs.conformance_routing import ROUTINGS
 from retention.runtime.cache import CacheView
 from retention.scorers.base import topk_keep
@@ -68,6 +70,7 @@ class CaseResult:
     failures: list[str] = field(default_factory=list)
     worst: float = 0.0  # the largest score error as a fraction of its tolerance
     exact: bool = False  # every check is an exact comparison (the routing cases): no tolerance to report
+    summary: str | None = None  # what a passing case says instead (the random control: structure, not draws)
 
     @property
     def ok(self) -> bool:
@@ -77,6 +80,8 @@ class CaseResult:
         head = f"{'PASS' if self.ok else 'FAIL'} {self.name} ({self.scorer}): {len(self.checks)} checks"
         if not self.ok:
             return head + "; " + ("; ".join(self.failures) if self.failures else "nothing was checked")
+        if self.summary:
+            return head + ", " + self.summary
         if self.exact:
             return head + ", every budget and kept slot exact"
         return head + f", worst score error {self.worst:.2f} of its tolerance"
@@ -209,7 +214,7 @@ def check_case(path: Path) -> CaseResult:
     res = CaseResult(path.stem, scorer)
     checker = _CHECKERS.get(scorer)
     if checker is None:
-        res.fail(f"unknown scorer {scorer!r} (known: {', '.join(SCORERS + ROUTINGS)})")
+        res.fail(f"unknown scorer {scorer!r} (known: {', '.join(SCORERS + ROUTINGS + RANDOM)})")
         return res
     try:
         checker(side["params"], t, res)
@@ -221,11 +226,12 @@ def check_case(path: Path) -> CaseResult:
 
 
 def check_dir(directory: Path | None = None) -> list[CaseResult]:
-    """Every case of `directory`; by default the shipped scorer cases and the routing cases (PyramidKV,
-    AdaKV, in their own folder `routing/`)."""
+    """Every case of `directory`; by default the shipped scorer cases, the routing cases (PyramidKV,
+    AdaKV, in their own folder `routing/`) and the random control's (Random Attention, `random/`)."""
     if directory is not None:
         return [check_case(p) for p in case_files(directory)]
-    return [check_case(p) for p in case_files(shipped_dir()) + case_files(shipped_dir() / "routing")]
+    return [check_case(p) for p in case_files(shipped_dir()) + case_files(shipped_dir() / "routing")
+            + case_files(shipped_dir() / "random")]
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,4 +439,4 @@ def _check_h2o(p: dict, t: dict, res: CaseResult) -> None:
 
 
 _CHECKERS = {"triattention_score": _check_triattention, "snapkv_decode": _check_snapkv, "rkv": _check_rkv,
-             "h2o": _check_h2o, **ROUTING_CHECKERS}
+             "h2o": _check_h2o, **ROUTING_CHECKERS, **RANDOM_CHECKERS}

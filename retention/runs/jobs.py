@@ -134,7 +134,7 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
             "split": "confirm", "data": cfg.get("data"),
             "limit": cfg.get("limit"), "samples": int(cfg["samples"]), "seed": int(cfg["seed"]),
             "fidelity": bool(cfg.get("fidelity", False)), **sampling}
-    for key in ("engine", "sampler"):  # absent: the default engine, the legacy sampler
+    for key in ("engine", "sampler", "protect_prompt_counted"):  # absent: the default engine, the legacy sampler
         if key in cfg:
             base[key] = cfg[key]
     dataset = cfg.get("dataset", "math500")

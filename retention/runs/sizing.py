@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from protocol.runs import SIZING_NOTE
-from retention.models import format_prompt
+from retention.models import format_prompt, load_model
 from retention.runs.bench import speed_rows
 
 
@@ -243,3 +243,23 @@ def write_note(sizing: Sizing, path: Path, model: str) -> None:
     tmp.write_text(json.dumps({"model": model, "written": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                "line": sizing.line(), **asdict(sizing)}, indent=1) + "\n")
     tmp.replace(path)
+
+
+def confirm_seconds(sequences: int, tokens: int, slots: int, evicting_arms: int, full_arms: int, line: StepLine,
+                    prefill: StepLine, load_seconds: float) -> float:
+    """The pessimistic wall time of one cell's confirmation (`predicted_seconds`): `sequences` (problems
+    x samples) per arm at `slots` slots, every answer `tokens` long, each arm its own command (one
+    model load each), no fidelity proxy (a confirmation carries none)."""
+    shape = JobShape(tokens=tokens, batch=slots, retention_arms=evicting_arms, full_arms=full_arms, fidelity=False,
+                     commands=evicting_arms + full_arms)
+    return predicted_seconds(sequences, shape, line, load_seconds, prefill)
+
+
+def measure_host(model: str, dtype: str, slots: int, problems, tokens: int) -> tuple[StepLine, StepLine, dict, float]:
+    """(decode line, prefill line, figures, model load seconds) of `model` on this host: a load and a
+    few full-cache decode steps of the first of `problems` (a dev problem) at 1 and `slots` slots."""
+    t0 = time.perf_counter()
+    loaded = load_model(model, dtype=dtype, device="cpu")
+    load_seconds = time.perf_counter() - t0
+    line, prefill, figures = measure_step_line(loaded, problems, JobShape(tokens=tokens, batch=slots))
+    return line, prefill, figures, load_seconds

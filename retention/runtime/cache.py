@@ -68,6 +68,19 @@ PAD = 2**62  # the position padding reads as on a layout model (`layer_positions
 WIDTH_BLOCK = 512
 
 
+def protected_positions(p: torch.Tensor, next_position: torch.Tensor, sink: int, recent: int,
+                        prompt_below: torch.Tensor | None = None) -> torch.Tensor:
+    """Which stored tokens a compaction must keep, from their positions alone: `[B, G, n]` bool.
+
+    p: `[B, G, n]` int64 absolute positions (padding is the caller's to mask); next_position: `[B]`;
+    sinks are `p < sink`, the window `p >= next_position - recent`, and with `prompt_below` (`[B]`)
+    the positions below it (the prompt, or the counted rule's capped prompt)."""
+    prot = (p < sink) | (p >= next_position[:, None, None] - recent)
+    if prompt_below is not None:
+        prot = prot | (p < prompt_below[:, None, None])
+    return prot
+
+
 def static_capacity(tokens: int) -> int:
     """The capacity of a static cache that must hold `tokens` per row: above `WIDTH_BLOCK`, rounded
     up to a multiple of it (so that every view width is)."""
@@ -527,9 +540,11 @@ class RetentionCache(Cache):
     nbytes = stored_bytes
 
     def view(self, next_position, sink: int = 0, recent: int = 0, rows: list[int] | None = None,
-             prompt_length=None, protect_prompt: bool = False, slots=None) -> CacheView:
+             prompt_length=None, protect_prompt: bool = False, slots=None, prompt_below=None) -> CacheView:
         """A `CacheView` over `rows` (default all): sinks (`position < sink`), the `recent` newest
-        positions (`>= next_position - recent`) and, with `protect_prompt`, the prompt protected.
+        positions (`>= next_position - recent`) and, with `protect_prompt`, the prompt protected;
+        `prompt_below` (per row or one int) protects the positions below it instead (the counted
+        prompt rule's capped prompt, `Cadence.protected_prompt`).
         next_position, prompt_length, slots: per row of the view (`[B]`) or one int for all."""
         rows = list(range(self.rows)) if rows is None else list(rows)
         dev = self.layers[0].pbuf.device
@@ -550,6 +565,7 @@ class RetentionCache(Cache):
 
         t = per_row(next_position, 0)
         plen = per_row(prompt_length, 0)
+        below = None if prompt_below is None else per_row(prompt_below, 0)
         slots = per_row(slots, 0) if slots is not None else ridx.clone()
         valid_1 = torch.arange(n, device=dev)[None, :] < lens[:, None]  # [B, n]
 
@@ -566,9 +582,7 @@ class RetentionCache(Cache):
             if self.ragged:
                 ok = ok & (p >= 0)  # a ragged row's holes
             p = p.masked_fill(~ok, -1)
-            prot = (p < sink) | (p >= t[:, None, None] - recent)
-            if protect_prompt:
-                prot = prot | (p < plen[:, None, None])
+            prot = protected_positions(p, t, sink, recent, plen if protect_prompt else below)
             stores.append({k: take(v) for k, v in layer.stores.items()})
             positions.append(p)
             protected.append(prot & ok)

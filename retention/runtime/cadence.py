@@ -43,6 +43,9 @@ from retention.errors import RetentionError
 from retention.runtime.settings import trivial_setting
 
 ACCOUNTING_MODES = ("mean", "prefill", "peak")
+# What an arm does with the prompt: an ordinary candidate; protected and counted inside b (the
+# protocol's meter); protected on top of b (the peers' convention, --protect-prompt).
+PROMPT_RULES = ("evict", "keep", "keep-on-top")
 REFERENCE_INTERVAL = 128
 
 
@@ -93,6 +96,11 @@ class Cadence:
     # The reference's prompt rule: prompt tokens are never evicted and never candidates; the budget
     # applies to the generated tokens on top of the prompt (the meter still counts the prompt).
     protect_prompt: bool = False
+    # The protocol's prompt rule (docs/random-control.md): the prompt is protected but counted inside
+    # b, so a prompt-protecting arm holds fewer generated tokens; at most b - recent - 1 prompt
+    # tokens are protected (the first ones), so one scored slot is always left, as Random
+    # Attention's `random_pp` caps its prompt at K - 1.
+    prompt_counted: bool = False
 
     def __post_init__(self):
         if self.accounting not in ACCOUNTING_MODES:
@@ -103,6 +111,9 @@ class Cadence:
             raise RetentionError(f"--interval must be a positive number of tokens, got {self.interval}")
         if self.sink < 0 or self.recent < 0:
             raise RetentionError("--sink and --recent must be >= 0")
+        if self.protect_prompt and self.prompt_counted:
+            raise RetentionError("the prompt is either kept on top of b (--protect-prompt) or counted inside b "
+                                 "(--prompt-rule keep), not both")
         if self.budget is None:
             return
         if self.budget <= 0:
@@ -151,6 +162,19 @@ class Cadence:
         arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
         at `trivial()`'s values."""
         return trivial_setting(self, self.trivial())
+
+    @property
+    def prompt_rule(self) -> str:
+        """One of PROMPT_RULES: "evict", "keep" (counted inside b), "keep-on-top" (on top of b)."""
+        return "keep-on-top" if self.protect_prompt else "keep" if self.prompt_counted else "evict"
+
+    def protected_prompt(self, prompt_length: int, k: int) -> int:
+        """How many leading prompt positions a compaction that keeps `k` tokens protects."""
+        if self.protect_prompt:
+            return prompt_length
+        if self.prompt_counted:
+            return max(0, min(prompt_length, k - self.recent - 1))
+        return 0
 
     def keep(self, prompt_length: int = 0) -> int:
         """Tokens a compaction keeps: `b`, plus the whole prompt with `protect_prompt`."""

@@ -124,9 +124,11 @@ class RetentionPolicy:
             groups.setdefault(self.cadence.keep(cache.prompt_lengths[r]), []).append(r)
         c = self.cadence
         for k, grp in groups.items():
+            below = [c.protected_prompt(cache.prompt_lengths[r], k) for r in grp] if c.prompt_counted else None
             view = cache.view([nxt[r] for r in grp], sink=c.sink, recent=c.recent, rows=grp,
                               prompt_length=[cache.prompt_lengths[r] for r in grp],
-                              protect_prompt=c.protect_prompt, slots=[cache.slots[r] for r in grp])
+                              protect_prompt=c.protect_prompt, slots=[cache.slots[r] for r in grp],
+                              prompt_below=below)
             keep, allocation = self.select(view, k)
             self.state.before_compaction(cache, grp, keep, view)
             if allocation is None:
@@ -142,15 +144,21 @@ class RetentionPolicy:
 
 def cadence_for(scorer: Scorer, budget: int | None, interval: int | None = None, accounting: str = "mean",
                 sink: int | None = None, recent: int | None = None, protect_prompt: bool = False,
-                kind: type[Cadence] = Cadence, params: dict | None = None) -> Cadence:
+                kind: type[Cadence] = Cadence, params: dict | None = None,
+                prompt_counted: bool | None = None) -> Cadence:
     """The cadence (`kind`, with its own `params`) of `scorer` at `budget`: no budget for a scorer
     that never evicts, the default interval `min(128, B)` (shortened so that `b` stays at least the
     protected tokens + 1 under the cadence's span), the scorer's own protected tokens unless
-    `sink`/`recent` are given, and at least the window a window scorer always keeps (`min_recent`)."""
+    `sink`/`recent` are given, and at least the window a window scorer always keeps (`min_recent`);
+    `prompt_counted` None: the scorer's own prompt rule (`default_prompt`) unless `protect_prompt`."""
     budget = budget if scorer.evicts else None
+    if prompt_counted is None:
+        prompt_counted = scorer.default_prompt == "keep" and not protect_prompt
     sink = scorer.default_sink if sink is None else sink
     recent = max(scorer.default_recent if recent is None else recent, scorer.min_recent())
     params = dict(params or {})
+    if interval is None and budget and scorer.default_interval is not None:
+        interval = scorer.default_interval  # a preset's own cadence (random-pp: the reference's window)
     if interval is None and budget:
         floor = max(1, sink + recent + 1)
         extra = kind(budget=None, interval=1, **params).span - 1  # span beyond the interval (newline: max_wait)
@@ -158,4 +166,5 @@ def cadence_for(scorer: Scorer, budget: int | None, interval: int | None = None,
         while interval > 1 and nominal_budget(budget, interval + extra, accounting) < floor:
             interval -= 1  # a longer span (newline's max_wait) needs a shorter interval at small budgets
     return kind(budget=budget, interval=interval or 1, accounting=accounting, sink=sink, recent=recent,
-                protect_prompt=protect_prompt and budget is not None, **params)
+                protect_prompt=protect_prompt and budget is not None,
+                prompt_counted=prompt_counted and budget is not None, **params)

@@ -32,6 +32,7 @@ READS = {
 BUILTINS = {
     "full": ("full", "Full"),
     "random": ("random", "RandomScorer"),
+    "random-pp": ("random_pp", "RandomPP"),
     "streaming": ("streaming", "Streaming"),
     "h2o": ("h2o", "H2O"),
     "snapkv": ("snapkv", "SnapKV"),

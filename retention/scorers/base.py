@@ -34,6 +34,7 @@ Class attributes: `reads` (what the scorer reads, alternatives: `retention.score
 kinds; a run refuses a cache layout and model that do not provide one of them, saying what is
 missing; `reading()` narrows them when a parameter fixes one), `name` (shown in run ids; `--param NAME.x=...` may use it for a plugin),
 `per_layer`, `default_sink` / `default_recent` (protected tokens unless --sink / --recent say),
+`default_interval` / `default_prompt` (a preset's interval and prompt rule unless the run's options say),
 `evicts` (False: never compacts), and `min_recent()` for a window the cadence must count inside b.
 
 Contract (checked by `retention check-scorer`): exactly k kept per row and head, protected kept,
@@ -93,6 +94,10 @@ class Scorer:
     # Protected tokens a scorer wants by default (the CLI's --sink / --recent override them).
     default_sink: ClassVar[int] = 0
     default_recent: ClassVar[int] = 0
+    # A preset's cadence interval (None: the default `min(128, B)`) and prompt rule (PROMPT_RULES:
+    # "evict" leaves the prompt an ordinary candidate) unless the run's options say otherwise.
+    default_interval: ClassVar[int | None] = None
+    default_prompt: ClassVar[str] = "evict"
     # False for `full`: the policy never compacts.
     evicts: ClassVar[bool] = True
     # True: what the scorer learns from a forward it reads from the cache's stored tokens (its `observe`

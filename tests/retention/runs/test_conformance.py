@@ -13,12 +13,16 @@ from retention.cli import main
 from retention.runs.conformance import CaseResult, check_case, check_dir, shipped_dir
 
 ROUTING_CASES = sorted((shipped_dir() / "routing").glob("*.safetensors"))  # PyramidKV, AdaKV (kvpress)
+# Random Attention's random_pp (tests/retention/test_golden_random.py checks them in detail)
+RANDOM_CASES = sorted((shipped_dir() / "random").glob("*.safetensors"))
 
 
 def test_every_shipped_case_passes():
     results = check_dir()
-    assert {r.scorer for r in results} == {"triattention_score", "snapkv_decode", "rkv", "h2o", "pyramidkv", "adakv"}
-    assert len(results) == len(list(shipped_dir().glob("*.safetensors"))) + len(ROUTING_CASES) >= 14
+    assert {r.scorer for r in results} == {"triattention_score", "snapkv_decode", "rkv", "h2o", "pyramidkv", "adakv",
+                                           "random_pp"}
+    assert len(results) == (len(list(shipped_dir().glob("*.safetensors"))) + len(ROUTING_CASES)
+                            + len(RANDOM_CASES)) >= 17
     for r in results:
         assert r.ok, r.line()
         assert len(r.checks) >= (3 if r.exact else 5)  # a routing case: budgets, kept mask, kept slots
@@ -36,7 +40,7 @@ def test_cli_prints_one_line_per_case_and_exits_zero():
     out = CliRunner().invoke(main, ["conformance"])
     assert out.exit_code == 0, out.output
     lines = out.output.strip().splitlines()
-    assert len(lines) == len(list(shipped_dir().glob("*.safetensors"))) + len(ROUTING_CASES) + 1
+    assert len(lines) == len(list(shipped_dir().glob("*.safetensors"))) + len(ROUTING_CASES) + len(RANDOM_CASES) + 1
     assert all(line.startswith("PASS ") for line in lines[:-1]) and lines[-1].endswith("cases pass")
 
 

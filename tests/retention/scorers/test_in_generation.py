@@ -24,6 +24,7 @@ ARMS = [
     ("h2o", {}),
     ("streaming", {}),
     ("random", {}),
+    ("random-pp", {}),
 ]
 ARM_IDS = [n + ("-" + "-".join(f"{k}{v}" for k, v in p.items()) if p else "") for n, p in ARMS]
 
