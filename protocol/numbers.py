@@ -10,7 +10,7 @@ A parameter is compared at `SIGNIFICANT_DIGITS` (12) significant decimal digits:
   `ValueError`; callers turn it into their own one-line error).
 
 Every committed plan and run configuration holds values already at most 12 significant digits, so
-each keeps its hash (tests/test_committed_hashes.py recomputes them).
+each keeps its hash (tests/committed/test_hashes.py recomputes them).
 """
 
 from __future__ import annotations

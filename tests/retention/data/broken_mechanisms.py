@@ -1,5 +1,5 @@
 """Broken mechanisms, one per way a mechanism can misreport itself (issue 46), for the contract kit's
-tests (`tests/retention/test_contract_distrust.py`): each must fail a named check of `retention check`,
+tests (`tests/retention/contract/test_distrust.py`): each must fail a named check of `retention check`,
 and `run` must refuse it at its first compaction before writing a record."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from retention.cli import main
 from retention.runs.conformance import CaseResult, check_case, check_dir, shipped_dir
 
 ROUTING_CASES = sorted((shipped_dir() / "routing").glob("*.safetensors"))  # PyramidKV, AdaKV (kvpress)
-# Random Attention's random_pp (tests/retention/test_golden_random.py checks them in detail)
+# Random Attention's random_pp (tests/retention/runs/test_conformance_random.py checks them in detail)
 RANDOM_CASES = sorted((shipped_dir() / "random").glob("*.safetensors"))
 
 

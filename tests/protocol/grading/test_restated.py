@@ -13,7 +13,7 @@ from protocol.grading.restated import chooses, restates, settled, shape
 from protocol.grading.scan_restated import scan, targets
 from protocol.splits import problems_by_id
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 P742 = ("Evaluate\n\\[\\sin (\\arcsin 0.4 + \\arcsin 0.5) \\cdot \\sin (\\arcsin 0.5 - \\arcsin 0.4).\\]")
 EXPR742 = "\\sin (\\arcsin 0.4 + \\arcsin 0.5) \\cdot \\sin (\\arcsin 0.5 - \\arcsin 0.4)"

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tests.protocol.test_viewer import PIDS, hand_cache, invoke, rec, write_run
-from tests.test_viewer_browser import _driver, _wait
+from tests.protocol.viewer.test_site import PIDS, hand_cache, invoke, rec, write_run
+from tests.protocol.viewer.test_browser import _driver, _wait
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from retention.host import PORTABLE_ENV, host_differences, portable_problem
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARGS = ["--model", "tiny-random", "--quiet", "--scorer", "streaming", "--budget", "40", "--interval", "8",
         "--limit", "3", "--samples", "2", "--max-new-tokens", "40", "--temperature", "0.7", "--batch-size", "3"]
 

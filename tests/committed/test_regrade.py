@@ -23,7 +23,7 @@ import pytest
 from protocol import grading
 from protocol.data import load_problems
 
-RESULTS = Path(__file__).resolve().parent.parent / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "results"
 CONFIRM = RESULTS / "first-confirm-qwen0.5b" / "confirm" / "runs"
 DESIGN = RESULTS / "design-space-qwen0.5b" / "runs"
 TRACED = RESULTS / "real-signal-qwen0.5b" / "traced" / "runs"

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from protocol import prereg
-from tests.retention.test_identity import _cli, _keys, _preregister
+from tests.retention.runs.test_identity import _cli, _keys, _preregister
 
-BROKEN = Path(__file__).parent / "data" / "broken_mechanisms.py"
+BROKEN = Path(__file__).parents[1] / "data" / "broken_mechanisms.py"
 
 
 def _one_line(res) -> str:

@@ -15,7 +15,7 @@ from retention.runs.arms import validate_arm
 from retention.runtime.engine import Request, SamplingConfig, run_engine
 from retention.runtime.guard import GuardedPolicy, logits_refusal, stored_kib_floor
 
-BROKEN = Path(__file__).parent / "data" / "broken_mechanisms.py"
+BROKEN = Path(__file__).parents[1] / "data" / "broken_mechanisms.py"
 
 # (family, class, the check that must fail, words its line must hold)
 CASES = [
