@@ -84,7 +84,7 @@ def _stats_for(params: dict, spec: str, model, tmp: Path) -> dict:
 class _Kit:
     """The arm under test (built by `validate_arm`, as `run` builds it) and the tiny models."""
 
-    def __init__(self, spec: str, params: dict, tmp: Path, mechanisms: dict | None = None):
+    def __init__(self, spec: str, params: dict, tmp: Path, mechanisms: dict | None = None, as_named: bool = False):
         self.spec, self.tmp = spec, tmp
         check_scorer_reads(spec, resolve_model("tiny-random"), "float32")  # what `run` checks, first
         self.loaded = load_model("tiny-random")
@@ -101,7 +101,7 @@ class _Kit:
         b = BUDGET - INTERVAL // 2 - 1
         self.budget = max(BUDGET, b + span // 2 + 1)
         self.new_tokens = NEW_TOKENS + max(0, span - INTERVAL)
-        self.arm = validate_arm(dict(arm, budget=self.budget))
+        self.arm = validate_arm(dict(arm, budget=self.budget), as_named)
         self.make = lambda: make_scorer(spec, **self.arm.scorer_params)  # noqa: E731
         self.m64 = copy.deepcopy(self.loaded.model).to(torch.float64)
         self.sc0 = self.make()

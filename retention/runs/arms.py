@@ -39,12 +39,14 @@ ENGINES = ("hf", "vllm")
 
 
 def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | None = None,
-                     head_dims: tuple[int, int] | None = None) -> ArmSpec:
+                     head_dims: tuple[int, int] | None = None, as_named: bool = False) -> ArmSpec:
     """The `ArmSpec` of one arm: its scorer, its four other mechanisms, and its configuration.
 
     options: the scorer's parameters (a statistics path); mechanisms: family -> a name, or
     `{"name", "params"[, "plugin"]}` (absent: the family's default); head_dims: (d_k, d_v) of the
-    model's per-layer K/V cache (None on a latent or shared-store layout). The configuration records
+    model's per-layer K/V cache (None on a latent or shared-store layout); as_named: build every
+    mechanism as named even at a trivial setting (the contract kit's "trivial member exact" must run
+    the mechanism itself to test its claim). The configuration records
     the scorer's parameters with the statistics named by their sha256, and every non-default
     mechanism in canonical form (every parameter with its resolved value)."""
     cls = get_scorer_class(scorer)
@@ -83,9 +85,9 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
     for fam, (name, mparams, registered) in given.items():
         if fam == "cadence":
             continue
-        specs[fam], objs[fam] = _resolve_mechanism(fam, name, mparams, registered)
+        specs[fam], objs[fam] = _resolve_mechanism(fam, name, mparams, registered, as_named)
     cname, cparams, cregistered = given["cadence"]
-    cspec, _ = _resolve_mechanism("cadence", cname, cparams, cregistered)
+    cspec, _ = _resolve_mechanism("cadence", cname, cparams, cregistered, as_named)
     cname = cspec.name  # a trivial setting resolves to the default cadence
     _check_families(scorer, cls.evicts, {**specs, "cadence": cspec})
     objs["state"].check(head_dims)
@@ -147,7 +149,7 @@ def _mechanism_arg(fam: str, value) -> tuple[str, dict, dict | None]:
     raise RetentionError(f"{fam} must be a name or {{\"name\": ..., \"params\": {{...}}}}, got {value!r}")
 
 
-def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | None):
+def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | None, as_named: bool = False):
     """(canonical MechanismSpec, instance) of one mechanism; its parameters checked by name and by its
     constructor, every parameter recorded with its resolved value."""
     fields = mechanism_fields(fam, name)
@@ -161,7 +163,7 @@ def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | Non
     check_registered(registered, identity, fam)
     default = FAMILIES[fam].default
     rec = obj  # checked as given (its refusals stand), recorded as what it behaves as
-    if name != default and is_trivial(obj):  # the same cell as the default it behaves as
+    if name != default and not as_named and is_trivial(obj):  # the same cell as the default it behaves as
         name, fields, rec, identity = default, mechanism_fields(fam, default), make_mechanism(fam, default, {}, **build), None
     resolved = canonical_values({k: getattr(rec, k) for k in sorted(fields)}, name)
     return MechanismSpec.of(fam, name, resolved, identity), obj
@@ -284,7 +286,7 @@ def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
         raise RetentionError(refusal)
 
 
-def validate_arm(cfg: dict):
+def validate_arm(cfg: dict, as_named: bool = False):
     """Validate one arm's complete run configuration exactly as `run` will run it.
 
     The one validation of `run`, `preregister` (each arm of each cell) and `confirm` (before any
@@ -294,6 +296,7 @@ def validate_arm(cfg: dict):
     the run-configuration keys of docs/records.md (`run` resolves each listed scorer's own
     parameters first: `retention.runs.scorer_options`), plus the families' keys `cadence`, `routing`,
     `state`, `decoding` (a name or `{"name", "params"}`; absent: the default). Returns the `ArmSpec`.
+    as_named: see `build_arm_config` (the contract kit only).
     """
     cfg = normalize_arm(cfg)
     if not isinstance(cfg.get("scorer"), str) or not cfg["scorer"]:
@@ -362,7 +365,7 @@ def validate_arm(cfg: dict):
     layout = model_layout(cfg["model"], str(cfg.get("dtype", "float32")))
     head_dims = (layout.head_dim, layout.head_dim) if layout.family == "kv" else None
     try:
-        spec = build_arm_config(base, cfg["scorer"], options, {f: cfg.get(f) for f in FAMILIES}, head_dims)
+        spec = build_arm_config(base, cfg["scorer"], options, {f: cfg.get(f) for f in FAMILIES}, head_dims, as_named)
     except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
     built, config = spec.scorer_params, spec.config

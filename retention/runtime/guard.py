@@ -153,7 +153,9 @@ class GuardedPolicy(RetentionPolicy):
     def select(self, view, k: int):
         if self._left <= 0:
             return super().select(view, k)
-        L, (B, G, n) = len(view.keys), view.keys[0].shape[:3]
+        # positions, not keys: on a latent or shared-store layout `view.keys` is empty and each
+        # eviction group's `positions` [B, G, n] is what the scores are shaped by
+        L, (B, G, n) = len(view.positions), view.positions[0].shape[:3]
         scores = self.scorer.score(view)
         want = (L, B, G, n) if self.scorer.per_layer else (B, G, n)
         if not isinstance(scores, torch.Tensor) or tuple(scores.shape) != want or not scores.dtype.is_floating_point:

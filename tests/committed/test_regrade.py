@@ -1,7 +1,7 @@
 """The committed results re-graded under issue 45's rules, and the compaction counts their READMEs
 state: every figure recomputed from the records (the grader run here, the bootstrap independent).
 
-* `results/regrade-issue45.txt` is the regrade tool's dry run over `results/`: the only credited
+* `results/regrade-restated-and-cut-off.txt` is the regrade tool's dry run over `results/`: the only credited
   verdicts it changes are the two the READMEs name.
 * first-confirm, 256: TriAttention 29/299 (was 30), α 26/299, Δ −1.00 pp, p 0.445; records that
   never compacted: 1 per arm at 128, 36 at 256.
@@ -63,7 +63,7 @@ def _cell(t_run: Path, b_run: Path) -> tuple[int, int, float, float]:
 
 
 def test_the_regrade_file_changes_only_the_two_credited_verdicts_the_readmes_name():
-    text = (RESULTS / "regrade-issue45.txt").read_text()
+    text = (RESULTS / "regrade-restated-and-cut-off.txt").read_text()
     lost = re.findall(r"^(\S+) (\S+) sample \d+: True -> (\w+)", text, re.M)
     assert sorted((Path(run).name, pid, new) for run, pid, new in lost) == [
         ("qwen2.5-coder-0.5b-triattention-b128-3a34acc7d4", "test/intermediate_algebra/1365.json", "None"),

@@ -11,7 +11,7 @@ import pytest
 
 from protocol import report
 from protocol.failure_modes import departed_after_eviction, divergence_token
-from tests.protocol.test_report import _records, _write_records, make_run
+from tests.protocol.test_report import _records, _write_records, edit_config, make_run
 
 FULL_TOKENS = list(range(100, 110))
 
@@ -45,9 +45,7 @@ def _set(d, rows, traced: bool):
 @pytest.fixture
 def study(tmp_path):
     full = make_run(tmp_path, scorer="full", budget=1, n=4, k=2, seed=1)
-    meta = json.loads((full / "config.json").read_text())
-    meta["config"]["budget"] = None  # the full cache: no budget
-    (full / "config.json").write_text(json.dumps(meta))
+    edit_config(full, budget=None)  # the full cache: no budget
     _set(full, [(None, "1", None, 0)] * 8, traced=False)
     alpha = make_run(tmp_path, scorer="alpha", budget=64, n=4, k=2, seed=2, meta_extra={"trace": True})
     _set(alpha, ALPHA, traced=True)
@@ -88,9 +86,7 @@ def test_rows_notes_and_csv(study, tmp_path):
 def test_the_full_arm_must_share_the_decoding(study):
     """A full run decoded at another temperature is no reference: its tokens took another path."""
     full = next(d for d in study.iterdir() if "-full-" in d.name)
-    meta = json.loads((full / "config.json").read_text())
-    meta["config"]["temperature"] = 0.6
-    (full / "config.json").write_text(json.dumps(meta))
+    edit_config(full, temperature=0.6)
     rep = report.build_report([study], baseline="triattention", boot=200, boot_max=200)
     assert all(r["reference"] is None and r["departed"] is None for r in rep.failure_modes)
     assert not [n for n in rep.notes if "departed" in n]

@@ -77,6 +77,16 @@ def _write_records(d: Path, recs) -> None:
     (d / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
+def edit_config(d: Path, **changes) -> None:
+    """Change a run's configuration as if `run` had written it so: the configuration hash of
+    config.json and of every record follows (report refuses a configuration that does not hash to it)."""
+    meta = json.loads((d / "config.json").read_text())
+    meta["config"].update(changes)
+    meta["config_hash"] = hashlib.sha256(canonical_json(meta["config"]).encode()).hexdigest()
+    (d / "config.json").write_text(json.dumps(meta))
+    _write_records(d, [dict(r, config_hash=meta["config_hash"][:len(r["config_hash"])]) for r in _records(d)])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two budgets x (triattention, alpha under mean and prefill, h2o under mean)."""

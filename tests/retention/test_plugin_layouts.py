@@ -74,8 +74,8 @@ def test_a_refusal_names_what_is_missing():
 
     line = reads_refusal("x", (frozenset({"positions", "latent"}),), TRANSFORMERS_PROVIDES, "tiny-random")
     assert line == ("x cannot score the tiny-random cache: it reads latent + positions, and this model provides "
-                    "calibration, keys, positions, queries, values (latent missing); use full, random, streaming, "
-                    "h2o, snapkv, rkv, triattention, alpha")
+                    "calibration, keys, positions, queries, values (latent missing); use full, random, random-pp, "
+                    "streaming, h2o, snapkv, rkv, triattention, alpha")
     two = reads_refusal("x", (frozenset({"latent", "calibration"}), frozenset({"keys", "calibration"})),
                         frozenset({"positions", "attention"}), "tiny-cla")
     assert "it reads calibration + latent or calibration + keys" in two and "(calibration, keys missing)" in two

@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+
+from tests.protocol.test_report import edit_config
 from tests.protocol.viewer.test_site import PIDS, hand_cache, invoke, rec, write_run
 from tests.protocol.viewer.test_browser import _driver, _wait
 
@@ -53,9 +55,7 @@ def test_a_string_in_a_number_field_is_refused_in_one_line(tmp_path, field, valu
 def test_a_string_in_the_configuration_budget_is_refused(tmp_path):
     runs = _runs(tmp_path / "runs")
     path = runs / "run-streaming" / "config.json"
-    meta = json.loads(path.read_text())
-    meta["config"]["budget"] = BASE
-    path.write_text(json.dumps(meta))
+    edit_config(path.parent, budget=BASE)  # the hash recomputed, as a hostile writer would: the viewer must refuse
     res = invoke("view", runs, "--out", tmp_path / "site", "--tokenizer", "none")
     assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1
     assert f"config.json: config: budget is {BASE!r}, not a number" in res.output
@@ -67,10 +67,7 @@ def test_strings_reach_the_page_as_text_and_gaps_in_the_trace_are_said(browser, 
     runs = _runs(tmp_path / "runs", finish_reason=BASE, rule=LINK, extracted=LINK)
     # The second record's trace line is lost: the traced run says so instead of "no trace".
     path = runs / "run-streaming" / "config.json"
-    meta = json.loads(path.read_text())
-    meta["config"]["model"] = f"tiny{LINK}"
-    meta["config"]["accounting"] = BASE
-    path.write_text(json.dumps(meta))
+    edit_config(path.parent, model=f"tiny{LINK}", accounting=BASE)
     res = invoke("view", runs, "--out", tmp_path / "site", "--tokenizer", "none", "--boot", 200)
     assert res.exit_code == 0, res.output
     checks = "return [document.querySelectorAll('base').length, document.querySelectorAll('#injected').length," \

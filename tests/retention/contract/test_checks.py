@@ -128,7 +128,7 @@ def test_cli_exit_status_and_share_figure():
     ok = CliRunner().invoke(main, ["check-scorer", "streaming", "--context", "256", "--share-budget", "64",
                                    "--share-tokens", "16"])
     assert ok.exit_code == 0, ok.output
-    assert "INFO compaction share:" in ok.output and "streaming: 11/11 checks pass" in ok.output
+    assert "INFO compaction share:" in ok.output and "streaming: 13/13 checks pass" in ok.output
     bad = CliRunner().invoke(main, ["check-scorer", f"{HERE}:KeepsTooMany", "--context", "0"])
     assert bad.exit_code == 1 and "FAIL kept count" in bad.output
 

