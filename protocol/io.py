@@ -66,6 +66,11 @@ def canonical_json(obj) -> str:
     return _escape_surrogates(text)
 
 
+def config_hash(config: dict) -> str:
+    """sha256 of a run configuration's canonical JSON: what `run` records and `report` checks."""
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

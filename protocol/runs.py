@@ -15,7 +15,6 @@ study is one arm with two statistics files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 from protocol import grading, shards, stats
 from protocol.design_space import MECHANISM_KEYS
 from protocol.errors import ProtocolError
-from protocol.io import canonical_json, load_json_object, read_jsonl
+from protocol.io import config_hash, load_json_object, read_jsonl
 
 
 def stats_identity(config: dict) -> str | None:
@@ -170,7 +169,7 @@ def load_run(path, grade=None, with_trace: bool = False) -> Run:
         raise ProtocolError(f"unreadable run configuration: {exc}") from None
     if not isinstance(meta.get("config"), dict):
         raise ProtocolError(f"{cfg_path}: no 'config' object")
-    digest = hashlib.sha256(canonical_json(meta["config"]).encode()).hexdigest()
+    digest = config_hash(meta["config"])
     if meta.get("config_hash") != digest:  # edited after the run: its records are not this configuration's
         raise ProtocolError(f"run {path.name}: config.json does not hash to its configuration hash "
                             f"({str(meta.get('config_hash'))[:12]}; its config hashes to {digest[:12]}): refused")

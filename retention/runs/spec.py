@@ -16,11 +16,10 @@ families existed keeps its hash.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from dataclasses import dataclass
 
-from protocol.io import canonical_json
+from protocol.io import canonical_json, config_hash  # config_hash: re-exported for the runs
 from retention.runtime.cadence import Cadence
 from retention.runtime.guard import GuardedPolicy
 from retention.runtime.mechanisms import FAMILIES, make_mechanism
@@ -123,8 +122,3 @@ class ArmSpec:
     def with_config(self, **extra) -> ArmSpec:
         """The same arm with keys added to its configuration (the loaded model's id and revision)."""
         return dataclasses.replace(self, config_json=canonical_json(dict(self.config, **extra)))
-
-
-def config_hash(config: dict) -> str:
-    """sha256 of the configuration's canonical JSON."""
-    return hashlib.sha256(canonical_json(config).encode()).hexdigest()

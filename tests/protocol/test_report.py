@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from protocol import report
-from protocol.io import canonical_json
+from protocol.io import config_hash
 from protocol.errors import ProtocolError
 
 # --------------------------------------------------------------------------------------------------
@@ -32,7 +31,7 @@ def make_run(root, *, model="qwen-1.5b", scorer="alpha", budget=512, accounting=
     cfg = {"model": model, "model_revision": "rev-1", "scorer": scorer,
            "scorer_params": params or {}, "budget": budget, "accounting": accounting,
            "samples": k, "seed": 0, "split": split, "max_new_tokens": 4096, **(extra or {})}
-    digest = hashlib.sha256(canonical_json(cfg).encode()).hexdigest()  # as `run` hashes it: report checks
+    digest = config_hash(cfg)  # as `run` hashes it: report checks
     run_id = f"{model}-{scorer}-b{budget}-{digest[:10]}"
     d = Path(root) / run_id
     d.mkdir(parents=True)
@@ -82,7 +81,7 @@ def edit_config(d: Path, **changes) -> None:
     config.json and of every record follows (report refuses a configuration that does not hash to it)."""
     meta = json.loads((d / "config.json").read_text())
     meta["config"].update(changes)
-    meta["config_hash"] = hashlib.sha256(canonical_json(meta["config"]).encode()).hexdigest()
+    meta["config_hash"] = config_hash(meta["config"])
     (d / "config.json").write_text(json.dumps(meta))
     _write_records(d, [dict(r, config_hash=meta["config_hash"][:len(r["config_hash"])]) for r in _records(d)])
 

@@ -5,7 +5,6 @@ The browser half (what the page draws from these data) is tests/protocol/viewer/
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import stat
 
@@ -14,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from protocol.errors import ProtocolError
-from protocol.io import canonical_json
+from protocol.io import config_hash
 from protocol.runs import assign_labels, load_run
 from protocol.viewer import site_data, write_site
 from protocol.viewer.cachemap import cache_map, sparse, unpack_bits
@@ -89,7 +88,7 @@ def test_token_lengths_and_prefixes_count_utf16_units():
 def write_run(root, scorer, budget, records, *, traces=None, trace_flag=False):
     config = {"model": "tiny-random", "scorer": scorer, "scorer_params": {}, "budget": budget, "split": "dev",
               "accounting": "mean", "temperature": 0.0, "seed": 0, "max_new_tokens": 8, "dtype": "float32"}
-    h = hashlib.sha256(canonical_json(config).encode()).hexdigest()  # as `run` hashes it: loading checks it
+    h = config_hash(config)  # as `run` hashes it: loading checks it
     d = root / f"run-{scorer}"
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"run_id": d.name, "config_hash": h, "config": config,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from protocol.io import canonical_json
+from protocol.io import config_hash
 from retention.runs import engines
 from retention.cli import main
 from retention.runs.engines.agreement import first_divergence
@@ -183,8 +183,6 @@ def test_engine_environment_without_parts_loads_the_converted_split_model(tmp_pa
     """vLLM's own environment (.venv-vllm) lacks the weight packages of a split GGUF model: the
     engine then loads the folder this project's environment converted, named as that one names it,
     and only when the folder's marker carries the pinned GGUF sha256."""
-    import hashlib
-
     from retention.runs.engines.run import resolve_weights
     from retention.errors import RetentionError
     from retention.models import SPLIT_GGUFS, SplitGGUF
@@ -243,7 +241,7 @@ def test_vllm_that_does_not_start_is_one_line(tiny_folder, tmp_path, monkeypatch
 
 def _fake_run(path, config, tokens):
     path.mkdir(parents=True)
-    digest = hashlib.sha256(canonical_json(config).encode()).hexdigest()  # report-side readers check it
+    digest = config_hash(config)  # report-side readers check it
     (path / "config.json").write_text(json.dumps({"run_id": path.name, "config_hash": digest, "config": config}))
     recs = [{"problem_id": f"p{i}", "sample": 0, "config_hash": digest, "output_token_ids": t, "text": "", "gold": None}
             for i, t in enumerate(tokens)]
