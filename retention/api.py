@@ -4,7 +4,8 @@
     recs = run_arm("tiny-random", "alpha", budget=40, limit=2, max_new_tokens=64, params={"lam": 0.5})
     df = records_frame(recs)
 
-`run_arm` builds the arm exactly as `retention run` does (`retention.runs.arms.validate_arm`) and generates
+`run_arm` builds the run's settings (`retention.runs.settings.RunSettings`) and the arm exactly as
+`retention run` does (`RunSettings.from_options`, `retention.runs.arms.validate_arm`) and generates
 through the same job (`retention.runs.jobs.execute`), so it writes, and resumes, the same run directory
 under `out` as the equivalent `retention run` command. The scorer is a name or spec (as `--scorer`
 takes) or a `Scorer` instance: its class is named by its importable `module:qualname` (or, for a
@@ -26,6 +27,7 @@ from retention.errors import RetentionError
 from retention.plugins import register_class
 from retention.runs.arms import validate_arm
 from retention.runs.jobs import execute
+from retention.runs.settings import Budget, RunSettings
 from retention.runtime.sampling import DEFAULT_SAMPLER
 from retention.runtime.trace import CacheTrace
 from retention.scorers import Scorer, get_scorer_class, is_builtin
@@ -73,18 +75,14 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
     if split != "dev":
         raise RetentionError("the confirm split is reachable only through a pre-registered plan (retention confirm)")
     name, scorer_params = _scorer_arm(scorer, params)
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
-                "ignore_eos": ignore_eos}
-    base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
-            "accounting": accounting, "sink": sink, "recent": recent, "protect_prompt": protect_prompt,
-            "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
-            "fidelity": False, "sampler": sampler, **sampling}
-    if protect_prompt_counted is not None:  # None: the scorer's own prompt rule
-        base["protect_prompt_counted"] = protect_prompt_counted
-    spec = validate_arm(dict(base, scorer=name, scorer_params=scorer_params, **(mechanisms or {})))
-    (run_dir,) = execute(model, dtype, device, [spec], split=split, data_path=data_path, limit=limit, samples=samples,
-                         seed=seed, sampling=sampling, fidelity=False, grade=grade, out=Path(out),
-                         progress=progress, batch_size=batch_size, trace=trace)
+    settings = RunSettings.from_options(
+        model, dtype=dtype, device=device, split=split, data_path=data_path, limit=limit, samples=samples,
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, sampler=sampler, seed=seed,
+        ignore_eos=ignore_eos, trace=trace, grade=grade, out=out, batch_size=batch_size, progress=progress)
+    budget = Budget(budget, None, interval, accounting, sink, recent, protect_prompt, protect_prompt_counted)
+    spec = validate_arm(dict(budget.config(), scorer=name, scorer_params=scorer_params, **(mechanisms or {})),
+                        settings=settings)
+    (run_dir,) = execute(settings, [spec])
     return read_jsonl(Path(run_dir) / "records.jsonl", "record").objects
 
 

@@ -213,18 +213,18 @@ def run_one(model: str, scorer: str, batch_size: int, problems, out: Path, stats
     """One golden run: its records (compared fields), traces and kept-set events, or its refusal."""
     from retention.runs.arms import validate_arm
     from retention.runs.jobs import execute
+    from retention.runs.settings import Output, RunSettings
 
     row = {"model": model, "scorer": scorer, "batch_size": batch_size, "dtype": DTYPE}
     refused = _refusal(model, scorer, out, stats)
     if refused is not None:
         return dict(row, refusal=refused)
-    spec = validate_arm(_base(model, scorer, stats))
-    sampling = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+    cfg = _base(model, scorer, stats)
+    settings = RunSettings.from_config(cfg, Output(out / f"b{batch_size}", batch_size, grade=False, progress=False))
+    spec = validate_arm(cfg)
     events: list = []
     with _compaction_hooks(events):
-        (run_dir,) = execute(model, DTYPE, "cpu", [spec], split="dev", data_path=None, limit=LIMIT, samples=1,
-                             seed=SEED, sampling=sampling, fidelity=True, grade=False,
-                             out=out / f"b{batch_size}", progress=False, problems=problems, batch_size=batch_size)
+        (run_dir,) = execute(settings, [spec], problems=problems)
     records = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines()]
     trace_rows = map(json.loads, (run_dir / "trace.jsonl").read_text().splitlines())
     traces = {(t["problem_id"], t["sample"]): t for t in trace_rows}

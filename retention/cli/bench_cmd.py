@@ -107,7 +107,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     from protocol.splits import load_split
     from retention.runs.bench import run_bench
     from retention.runtime.cadence import ACCOUNTING_MODES
-    from retention.runs.jobs import budget_from_bytes
+    from retention.runs.settings import tokens_for_kib
     from retention.models import load_model
 
     names = _variant_names(scorers)
@@ -120,7 +120,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     if bad:
         raise RetentionError(f"--accounting: {', '.join(bad)} is not one of {', '.join(ACCOUNTING_MODES)}")
     if budget_kib is not None:  # the same conversion (and refusals) as `retention run --budget-bytes`
-        budget = budget_from_bytes(model, dtype, budget if "budget" in given else None, budget_kib)
+        budget = tokens_for_kib(model, dtype, budget if "budget" in given else None, budget_kib)
     _check_variants(names, budget, interval, modes, stats_path, lam)
     if memory_mib is None:
         _refuse_foreign(given, {"memory_sequences", "memory_max_slots"}, "only with --memory-budget")

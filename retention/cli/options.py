@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -26,3 +27,20 @@ def bounded(name, lo, hi, lo_open=False):
         return value
 
     return check
+
+
+def collect(name: str, build, keys: tuple[str, ...], needs: tuple[str, ...] = ()):
+    """A decorator that hands a command its options `keys` as one typed object: `name` =
+    `build(*needs, **those options)`, `needs` naming objects an upper `collect` built first (the
+    budget needs the run settings' model). A command function then takes a few settings objects
+    rather than every option; the options themselves (flags, help, defaults, order) are declared as
+    before. Place it under the options, right above the function; stacked, the uppermost builds first."""
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, **kwargs):
+            kwargs[name] = build(*(kwargs[n] for n in needs), **{k: kwargs.pop(k) for k in keys})
+            return f(*args, **kwargs)
+
+        return command
+
+    return decorate

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from protocol.io import check_writable_dir, read_jsonl
 from retention.runs.arms import ENGINES, validate_arm
-from retention.cli.options import bounded, splits_dir_option
+from retention.cli.options import bounded, collect, splits_dir_option
 from retention.errors import RetentionError
-from retention.runs.jobs import budget_from_bytes, execute
+from retention.runs.jobs import execute
+from retention.runs.settings import Budget, RunSettings
 from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
 
 def _positive(name):
@@ -29,6 +30,67 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
     if not names:
         raise RetentionError("--scorer needs at least one scorer name")
     return list(dict.fromkeys(names))
+
+
+def _settings(*, no_grade: bool, quiet: bool, **options) -> RunSettings:
+    """The run settings of `run`'s options (`RunSettings.from_options` validates them)."""
+    return RunSettings.from_options(grade=not no_grade, progress=not quiet, **options)
+
+
+# `run`'s options, by the typed object each becomes (`retention.cli.options.collect`).
+SETTINGS_OPTIONS = ("model", "split", "data_path", "dataset", "splits_dir", "limit", "samples", "max_new_tokens",
+                    "temperature", "top_p", "sampler", "seed", "ignore_eos", "fidelity", "trace", "no_grade", "dtype",
+                    "device", "isa_portable", "out", "batch_size", "quiet", "engine")
+BUDGET_OPTIONS = ("budget", "budget_kib", "interval", "accounting", "sink", "recent", "protect_prompt", "prompt_rule")
+
+
+@dataclass(frozen=True)
+class ArmChoice:
+    """The arms `run` lists: the scorers (and the baseline), their parameters and the other families'
+    mechanisms, as given (`run_command` resolves them per scorer)."""
+
+    scorers: tuple[str, ...]
+    baseline: str | None
+    params: tuple[str, ...]
+    lam: float | None
+    radius: float | None
+    window: int | None
+    cadence: str | None
+    routing: str | None
+    state: str | None
+    decoding: str | None
+    stats_path: str | None
+
+
+@dataclass(frozen=True)
+class ScaleChoice:
+    """Where `run` generates: one shard (`--shard I/N|auto`) or Ray tasks (`--ray`, `--shards`, ...)."""
+
+    shard_text: str | None
+    ray_address: str | None
+    shards: int | None
+    gpus_per_shard: float | None
+    cpus_per_shard: float | None
+    retries: int | None
+
+    def ray_options(self, device: str, shard):
+        """The launcher options (None: no Ray launch), checked before any model or data is touched."""
+        given = [f for f, v in (("--gpus-per-shard", self.gpus_per_shard), ("--cpus-per-shard", self.cpus_per_shard),
+                                ("--retries", self.retries)) if v is not None]
+        if given and self.ray_address is None:
+            raise RetentionError(f"{', '.join(given)} only apply with --ray (they would be ignored)")
+        if self.ray_address is None and self.shards is None:
+            return None
+        from retention.runs.scale.ray import ray_options
+
+        return ray_options(device, address=self.ray_address, shards=self.shards, gpus_per_shard=self.gpus_per_shard,
+                           cpus_per_shard=1.0 if self.cpus_per_shard is None else self.cpus_per_shard,
+                           retries=3 if self.retries is None else self.retries, shard=shard)
+
+
+def _fields(cls) -> tuple[str, ...]:
+    return tuple(cls.__dataclass_fields__)
+
 
 @click.command("run")
 @click.option("--model", default="smollm2-135m", show_default=True,
@@ -133,99 +195,59 @@ def _scorer_list(value: tuple[str, ...]) -> list[str]:
 @click.option("--engine", type=click.Choice(ENGINES), default="hf", show_default=True,
               help="hf: this project's batched engine (every model and scorer; a DeepSeek-V2/V3 checkpoint "
                    "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
-def run_command(model, scorers, baseline, budget, budget_kib, interval, accounting, sink, recent, protect_prompt, prompt_rule,
-                params, lam, radius,
-                window, cadence, routing, state, decoding, stats_path, split, data_path, dataset, splits_dir, limit, samples, max_new_tokens, temperature, top_p,
-                sampler, seed, ignore_eos, fidelity, trace, no_grade, dtype, device, isa_portable, out, batch_size, quiet,
-                shard_text, ray_address, shards, gpus_per_shard, cpus_per_shard, retries, engine):
+@collect("settings", _settings, SETTINGS_OPTIONS)
+@collect("budget", Budget.from_options, BUDGET_OPTIONS, needs=("settings",))
+@collect("arms", ArmChoice, _fields(ArmChoice))
+@collect("scale", ScaleChoice, _fields(ScaleChoice))
+def run_command(settings: RunSettings, budget: Budget, arms: ArmChoice, scale: ScaleChoice):
     """Generate on the dev split under retention policies and write resumable run directories.
 
     Rerunning the same command resumes: finished records are skipped.
     """
-    if isa_portable:
-        from retention.host import portable_problem
-
-        problem = portable_problem(dtype) or (None if device == "cpu" else f"--isa-portable is a CPU mode, got --device {device}")
-        if problem:
-            raise RetentionError(problem)
-    if split == "confirm":
-        raise RetentionError("the confirm split is reachable only through a pre-registered plan: "
-                             "`retention preregister` then `retention confirm --plan PLAN.json`")
     from retention.runs.scale.shard import parse_shard
 
-    shard = parse_shard(shard_text)
-    names = _scorer_list(scorers)
+    shard = parse_shard(scale.shard_text)
+    names = _scorer_list(arms.scorers)
+    baseline = arms.baseline
     if baseline and baseline in names:  # the comparison would be of an arm with itself
         raise RetentionError(f"--baseline {baseline} is also a --scorer arm; the baseline must be another scorer")
     if baseline:
         names.append(baseline)
-    if budget is not None or budget_kib is not None:
+    if budget.tokens is not None:
         from retention.scorers import get_scorer_class
 
         if not any(get_scorer_class(n).evicts for n in names):  # the budget would be ignored, with no word
-            flag = "--budget" if budget is not None else "--budget-bytes"
+            flag = "--budget" if budget.kib is None else "--budget-bytes"
             raise RetentionError(f"{flag} is not used by {', '.join(names)} (no listed scorer evicts: the cache "
                                  "keeps every token); drop it, or list a retention scorer")
-    budget = budget_from_bytes(model, dtype, budget, budget_kib)
-    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
     from retention.runs.scorer_options import mechanism_options, resolve, scorer_fields
 
-    chosen = {"cadence": cadence, "routing": routing, "state": state, "decoding": decoding}
-    params, mechanisms = mechanism_options(params, chosen, names)
+    routing = arms.routing
+    chosen = {"cadence": arms.cadence, "routing": routing, "state": arms.state, "decoding": arms.decoding}
+    params, mechanisms = mechanism_options(arms.params, chosen, names)
     if routing in ("shared", "per-layer") and not any("routing" in scorer_fields(n) for n in names):
         raise RetentionError(f"--routing {routing} is not a parameter of any listed scorer ({', '.join(names)})")
-    shared = {"--lambda": lam, "--radius": radius, "--window": window, "--stats": stats_path}
+    shared = {"--lambda": arms.lam, "--radius": arms.radius, "--window": arms.window, "--stats": arms.stats_path}
     options = resolve(names, shared, params)  # per listed scorer; an option no listed scorer takes is an error
-    if protect_prompt and prompt_rule not in (None, "keep-on-top"):
-        raise RetentionError(f"--protect-prompt keeps the prompt on top of b; --prompt-rule {prompt_rule} "
-                             "says otherwise")
-    base = {"model": model, "dtype": dtype, "device": device, "budget": budget, "interval": interval,
-            "accounting": accounting, "sink": sink, "recent": recent,
-            "protect_prompt": protect_prompt or prompt_rule == "keep-on-top",
-            "split": split, "data": data_path, "limit": limit, "samples": samples, "seed": seed,
-            "fidelity": fidelity, **sampling}
-    if prompt_rule in ("evict", "keep"):  # unset: each scorer's own rule (build_arm_config records it canonically)
-        base["protect_prompt_counted"] = prompt_rule == "keep"
-    if budget_kib is not None:
-        base["budget_kib"] = budget_kib
-    if dataset != "math500":  # absent means math500: earlier configurations keep their hash
-        base["dataset"] = dataset
-    if engine == "hf":  # vLLM samples its own way; normalize_arm drops the key where it says nothing
-        base["sampler"] = sampler
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
     # model or touching the output folder.
-    arm_specs = [validate_arm(dict(base, scorer=name, scorer_params={k: v for k, v in options[name].items()
-                                                                     if v is not None},
-                                   **_mechanisms_for(name, mechanisms, baseline)))
+    arm_specs = [validate_arm(dict(budget.config(), scorer=name,
+                                   scorer_params={k: v for k, v in options[name].items() if v is not None},
+                                   **_mechanisms_for(name, mechanisms, baseline)), settings=settings)
                  for name in names]
-    job = dict(model=model, dtype=dtype, device=device, arm_specs=arm_specs, split=split, data_path=data_path,
-               limit=limit, samples=samples, seed=seed, sampling=sampling, fidelity=fidelity, grade=not no_grade,
-               out=Path(out), batch_size=batch_size, splits_dir=splits_dir, engine=engine, dataset=dataset,
-               trace=trace)
-    ray_opts = None
-    given = [f for f, v in (("--gpus-per-shard", gpus_per_shard), ("--cpus-per-shard", cpus_per_shard),
-                            ("--retries", retries)) if v is not None]
-    if given and ray_address is None:
-        raise RetentionError(f"{', '.join(given)} only apply with --ray (they would be ignored)")
-    cpus_per_shard = 1.0 if cpus_per_shard is None else cpus_per_shard
-    retries = 3 if retries is None else retries
-    if ray_address is not None or shards is not None:
-        from retention.runs.scale.ray import ray_options
-
-        ray_opts = ray_options(job, address=ray_address, shards=shards, gpus_per_shard=gpus_per_shard,
-                               cpus_per_shard=cpus_per_shard, retries=retries, shard=shard)
-    check_writable_dir(Path(out), "--out")
-    _announce_size(arm_specs, split if dataset == "math500" else dataset, data_path, limit, samples, max_new_tokens,
-                   device)
-    before = {f: _output_tokens(_read_records(f)) for f in Path(out).glob("*/records*.jsonl") if f.is_file()}
+    ray_opts = scale.ray_options(settings.device, shard)
+    out = settings.output.out
+    check_writable_dir(out, "--out")
+    _announce_size(len(arm_specs), settings)
+    before = {f: _output_tokens(_read_records(f)) for f in out.glob("*/records*.jsonl") if f.is_file()}
     t0 = time.perf_counter()
     if ray_opts is not None:
         from retention.runs.scale.ray import launch_from_cli
 
-        run_dirs = launch_from_cli(job, ray_opts, progress=not quiet)
+        run_dirs = launch_from_cli(settings, arm_specs, ray_opts)
         shard = None  # merged
     else:
-        run_dirs = execute(**job, progress=not quiet, shard=shard)
+        run_dirs = execute(settings, arm_specs, shard=shard)
     seconds = time.perf_counter() - t0
     made = 0
     for d in run_dirs:
@@ -274,16 +296,17 @@ def _summary_line(run_dir: Path, recs: list[dict], shard=None) -> str:
     return (f"{where}: {n} records, accuracy {correct}/{n}, mean cache {mean_cache:.1f} tokens, "
             f"{tps:.1f} tok/s per sequence, budget exceeded in {over}")
 
-def _announce_size(arm_specs, split, data_path, limit, samples, max_new_tokens, device) -> None:
+def _announce_size(n_arms: int, settings: RunSettings) -> None:
     """On a CPU without --limit, say how much is about to be generated (a bare `run` is 201 problems
     x 8,192 tokens per arm: days on a laptop)."""
-    if limit or not str(device).startswith("cpu"):
+    p, max_new_tokens = settings.problems, settings.sampling.max_new_tokens
+    if p.limit or not str(settings.device).startswith("cpu"):
         return
     from protocol.splits import COUNTS
 
-    n = COUNTS.get(split, 30)  # an AIME set: its 30 problems
-    total = n * samples * len(arm_specs) * max_new_tokens
-    click.echo(f"note: no --limit on a CPU: up to {n} problems x {samples} sample(s) x {len(arm_specs)} arm(s) x "
+    n = COUNTS.get(p.split if p.dataset == "math500" else p.dataset, 30)  # an AIME set: its 30 problems
+    total = n * p.samples * n_arms * max_new_tokens
+    click.echo(f"note: no --limit on a CPU: up to {n} problems x {p.samples} sample(s) x {n_arms} arm(s) x "
                f"{max_new_tokens:,} tokens = {total:,} tokens to generate (use --limit N to try a few)", err=True)
 
 

@@ -48,6 +48,7 @@ from retention.models import load_model, resolve_model
 from retention.runs.arms import check_scorer_reads, validate_arm
 from retention.runs.runner import Arm, RunDir, run_arms
 from retention.runs.scorer_options import scorer_fields
+from retention.runs.settings import Output, RunSettings, Sampling
 from retention.runtime.cadence import Cadence
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
 from retention.runtime.policy import RetentionPolicy, cadence_for
@@ -330,7 +331,9 @@ def _resume(kit: _Kit) -> CheckResult:
     loaded = dataclasses.replace(kit.loaded, model=kit.m64)
     problems = [SimpleNamespace(unique_id=f"p{i}", problem="What is " + "1+" * (3 + 5 * i) + "1?", answer="1")
                 for i in range(6)]
-    sampling = {"max_new_tokens": kit.new_tokens, "temperature": 0.6, "top_p": 0.95, "ignore_eos": False}
+    # The run's settings as the kit decodes it (built directly: the float64 model is the kit's own).
+    settings = RunSettings("tiny-random-float64", sampling=Sampling(kit.new_tokens, 0.6, 0.95, False, 0),
+                           output=Output(batch_size=4, grade=False, progress=False))
     config = {"model": "tiny-random-float64", "scorer": kit.spec, "budget": kit.budget, "interval": INTERVAL}
 
     def run(path: Path, stop_after: int | None = None):
@@ -345,8 +348,7 @@ def _resume(kit: _Kit) -> CheckResult:
 
             rd.records.append = interrupting
         try:
-            run_arms(loaded, [Arm(rd, kit.arm)], problems, samples=1, base_seed=0,
-                     sampling=sampling, grade=False, progress=False, batch_size=4)
+            run_arms(loaded, [Arm(rd, kit.arm)], problems, settings)
         except _Interrupt:
             pass
         finally:

@@ -8,35 +8,29 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from pathlib import Path
 
-from protocol.data import DATASETS, check_limit
-from protocol.errors import ProtocolError
 from protocol.prereg import ARMS, arm_config
 
 from retention.errors import RetentionError
-from retention.models import model_layout, resolve_device, resolve_dtype, resolve_model
+from retention.models import model_layout, resolve_model
 from retention.plugins import check_registered
 from retention.runs.canonical import canonical_values, is_trivial, typed_params
 from retention.runs.scorer_options import scorer_fields
 from protocol.io import canonical_json
 from protocol.numbers import canonical_value
+from retention.runs.settings import (ENGINES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_SAMPLES,  # noqa: F401 - re-exported
+                                     Budget, RunSettings)
 from retention.runs.spec import ArmSpec, MechanismSpec
 from retention.runtime.adapter import provides
 from retention.runtime.cadence import REFERENCE_INTERVAL
 from retention.runtime.mechanisms import (FAMILIES, make_mechanism, mechanism_class, mechanism_fields,
                                           mechanism_identity)
 from retention.runtime.policy import cadence_for
-from retention.runtime.sampling import LEGACY_SAMPLER, SAMPLERS
+from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.scorers import get_scorer_class, make_scorer, reads_refusal, scorer_identity
 from retention.scorers.calibration import default_stats_path
 from retention.scorers.calibration_latent import read_stats_file
-
-# What `--engine` (and a plan arm's "engine") may name: this project's batched engine (every model,
-# DeepSeek checkpoints on the reference MLA included), vLLM for non-evicting arms.
-ENGINES = ("hf", "vllm")
-
 
 def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | None = None,
                      head_dims: tuple[int, int] | None = None, as_named: bool = False) -> ArmSpec:
@@ -221,12 +215,6 @@ _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interv
 
 # Names a user may write for a scorer parameter (CLI spelling -> field name).
 PARAM_ALIASES = {"lambda": "lam"}
-# Upper bounds that keep a typo from allocating or generating without bound.
-MAX_SAMPLES = 10_000
-MAX_NEW_TOKENS = 1 << 20
-# A cache budget (tokens per layer and KV head) beyond any context a model is run at; larger values
-# only overflow the preallocated buffers.
-MAX_BUDGET = 1 << 24
 
 
 def normalize_arm(cfg: dict) -> dict:
@@ -253,22 +241,6 @@ def normalize_arm(cfg: dict) -> dict:
     return cfg
 
 
-def _number(cfg: dict, key: str, kind, flag: str, *, lo=None, hi=None, lo_open=False, default=None):
-    value = cfg.get(key, default)
-    if value is None:
-        return None
-    ok = isinstance(value, kind) and not isinstance(value, bool)
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok:
-        raise RetentionError(f"{flag} must be a finite {'integer' if kind is int else 'number'}, got {value!r}")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise RetentionError(f"{flag} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and value > hi:
-        raise RetentionError(f"{flag} must be <= {hi}, got {value!r}")
-    return value
-
-
 def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
     """Refuse, in one line naming what is missing, a scorer (built-in or plugin) that reads what
     the model does not provide (`Scorer.reads` against `retention.runtime.engine.provides`): before any
@@ -286,7 +258,7 @@ def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
         raise RetentionError(refusal)
 
 
-def validate_arm(cfg: dict, as_named: bool = False):
+def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None = None):
     """Validate one arm's complete run configuration exactly as `run` will run it.
 
     The one validation of `run`, `preregister` (each arm of each cell) and `confirm` (before any
@@ -296,54 +268,21 @@ def validate_arm(cfg: dict, as_named: bool = False):
     the run-configuration keys of docs/records.md (`run` resolves each listed scorer's own
     parameters first: `retention.runs.scorer_options`), plus the families' keys `cadence`, `routing`,
     `state`, `decoding` (a name or `{"name", "params"}`; absent: the default). Returns the `ArmSpec`.
-    as_named: see `build_arm_config` (the contract kit only).
+    as_named: see `build_arm_config` (the contract kit only). settings: the run's settings, already
+    validated (`RunSettings`): their configuration keys join cfg's (which then holds the arm's own keys
+    only); None: cfg holds them, checked here by building the settings they name.
     """
+    if settings is not None:
+        cfg = dict(settings.config(), **cfg)
     cfg = normalize_arm(cfg)
     if not isinstance(cfg.get("scorer"), str) or not cfg["scorer"]:
         raise RetentionError("an arm configuration needs a 'scorer' name")
-    if not isinstance(cfg.get("model"), str) or not cfg["model"]:
-        raise RetentionError("an arm configuration needs a 'model'")
-    ref = resolve_model(cfg["model"])
-    resolve_dtype(str(cfg.get("dtype", "float32")))
+    if settings is None:
+        settings = RunSettings.from_config(cfg)  # every run setting checked, in one line each
+    Budget.from_config(cfg)
+    ref = resolve_model(settings.model)
     engine = cfg.get("engine", "hf")
-    if engine not in ENGINES:
-        raise RetentionError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    check_scorer_reads(cfg["scorer"], ref, str(cfg.get("dtype", "float32")))
-    resolve_device(str(cfg.get("device", "cpu")))
-    _number(cfg, "temperature", float, "--temperature", lo=0, hi=100, default=0.6)
-    _number(cfg, "top_p", float, "--top-p", lo=0, hi=1, lo_open=True, default=0.95)
-    top_p = cfg.get("top_p", 0.95)
-    if top_p is not None and top_p < 1e-6:
-        raise RetentionError(f"--top-p must be at least 1e-6 (a nucleus of at least one token), got {top_p!r}")
-    if cfg.get("sampler", LEGACY_SAMPLER) not in SAMPLERS:
-        raise RetentionError(f"--sampler must be one of {', '.join(SAMPLERS)}, got {cfg.get('sampler')!r}")
-    _number(cfg, "max_new_tokens", int, "--max-new-tokens", lo=1, hi=MAX_NEW_TOKENS, default=8192)
-    _number(cfg, "samples", int, "--samples", lo=1, hi=MAX_SAMPLES, default=1)
-    _number(cfg, "seed", int, "--seed", lo=0, hi=2**63 - 1, default=0)
-    _number(cfg, "limit", int, "--limit", lo=1)
-    _number(cfg, "budget_kib", float, "--budget-bytes", lo=0, lo_open=True)
-    for key, flag in (("budget", "--budget"), ("interval", "--interval")):
-        _number(cfg, key, int, flag, lo=1, hi=MAX_BUDGET)
-    for key, flag in (("sink", "--sink"), ("recent", "--recent")):
-        _number(cfg, key, int, flag, lo=0)
-    if cfg.get("accounting", "mean") not in ("mean", "prefill", "peak"):
-        raise RetentionError(f"--accounting must be mean, prefill or peak, got {cfg.get('accounting')!r}")
-    if cfg.get("split", "dev") not in ("dev", "confirm"):
-        raise RetentionError(f"--split must be dev or confirm, got {cfg.get('split')!r}")
-    # Absent means math500, so that MATH-500 configurations keep the hash they had before AIME.
-    if cfg.get("dataset", "math500") not in DATASETS or cfg.get("dataset") == "math500":
-        raise RetentionError(f"--dataset must be one of {', '.join(DATASETS)} (math500 is written by leaving it "
-                             f"out), got {cfg.get('dataset')!r}")
-    if cfg.get("dataset") is not None and cfg.get("data") is not None:
-        raise RetentionError(f"--data gives a MATH-500 copy; {cfg['dataset']} is always the shipped copy")
-    if cfg.get("dataset") is not None:  # an AIME set: a limit above its 30 problems would silently run 30
-        try:
-            check_limit(cfg["dataset"], cfg.get("limit"))
-        except ProtocolError as exc:
-            raise RetentionError(str(exc)) from None
-    for key in ("fidelity", "ignore_eos"):
-        if not isinstance(cfg.get(key, False), bool):
-            raise RetentionError(f"{key} must be true or false, got {cfg.get(key)!r}")
+    check_scorer_reads(cfg["scorer"], ref, settings.dtype)
     params = cfg.get("scorer_params") or {}
     if not isinstance(params, dict):
         raise RetentionError(f"scorer_params must be an object, got {params!r}")
@@ -362,7 +301,7 @@ def validate_arm(cfg: dict, as_named: bool = False):
     base.setdefault("sink", None)
     base.setdefault("recent", None)
     base.setdefault("budget", None)
-    layout = model_layout(cfg["model"], str(cfg.get("dtype", "float32")))
+    layout = model_layout(settings.model, settings.dtype)
     head_dims = (layout.head_dim, layout.head_dim) if layout.family == "kv" else None
     try:
         spec = build_arm_config(base, cfg["scorer"], options, {f: cfg.get(f) for f in FAMILIES}, head_dims, as_named)
@@ -373,7 +312,7 @@ def validate_arm(cfg: dict, as_named: bool = False):
     if refusal is not None:
         raise RetentionError(refusal)
     # Again with the parameters given (e.g. snapkv's rule keeps one of its alternatives).
-    check_scorer_reads(cfg["scorer"], ref, str(cfg.get("dtype", "float32")), make_scorer(cfg["scorer"], **built).reading())
+    check_scorer_reads(cfg["scorer"], ref, settings.dtype, make_scorer(cfg["scorer"], **built).reading())
     if built.get("stats"):
         check_stats_file(Path(built["stats"]))
     check_registered(cfg.get("scorer_plugin"), config.get("scorer_plugin"))  # a changed plugin is refused

@@ -26,7 +26,6 @@ from pathlib import Path
 
 from protocol import grading
 from protocol.io import load_json_object, read_jsonl
-from protocol.splits import run_problems
 from retention.errors import RetentionError
 from retention.host import PORTABLE_ENV, host_differences, host_fingerprint
 from retention.models import load_model
@@ -35,8 +34,8 @@ from retention.models.arch.deepseek import on_reference_mla
 from retention.plugins import differing_keys
 from retention.runs.arms import validate_arm
 from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed, run_prompts
+from retention.runs.settings import RunSettings
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.scorers.calibration import default_stats_path
 
 # Keys `execute` adds to a configuration after validation (from the loaded model).
@@ -209,13 +208,6 @@ def rebuild_arm(meta: dict, stats: str | None = None):
     return spec
 
 
-def _problems(config: dict, splits_dir) -> list:
-    """The run's problems, in its order (its `limit` applied)."""
-    problems = run_problems(config.get("split", "dev"), config.get("dataset", "math500"),
-                            data_path=config.get("data"), splits_dir=splits_dir)
-    return problems[: config["limit"]] if config.get("limit") else problems
-
-
 def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = None,
               splits_dir=None) -> Reproduction:
     """Decode the first `limit` records of `run_dir` (all when None) again and compare their tokens."""
@@ -234,19 +226,17 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
     if not records:
         raise RetentionError(f"{records_path} holds no record to reproduce")
     spec = rebuild_arm(meta, stats)
-    listed = _problems(config, splits_dir)
+    settings = RunSettings.from_config(config, splits_dir=splits_dir)  # the run's problems, model and sampling
+    listed = settings.problems.load()
     problems = {p.unique_id: p for p in listed}
     missing = [r["problem_id"] for r in records if r.get("problem_id") not in problems]
     if missing:
         raise RetentionError(f"problem(s) {missing[:3]} of the records are not in the run's split")
-    loaded = on_reference_mla(load_model(config["model"], dtype=config.get("dtype", "float32"),
-                                         device=config.get("device", "cpu")))
+    loaded = on_reference_mla(load_model(settings.model, dtype=settings.dtype, device=settings.device))
     if loaded.revision != config.get("model_revision"):
         raise RetentionError(f"{config['model']} loads as revision {loaded.revision}, the run recorded "
                              f"{config.get('model_revision')}: not the same model")
-    sampling = SamplingConfig(max_new_tokens=config["max_new_tokens"], temperature=config["temperature"],
-                              sampler=config.get("sampler", LEGACY_SAMPLER),
-                              top_p=config["top_p"], ignore_eos=bool(config.get("ignore_eos", False)))
+    sampling = SamplingConfig(**settings.sampling.engine_args(), sampler=settings.sampling.drawn_with)
     got: dict[tuple[str, int], list[int]] = {}
     by_slots: dict[int, list[dict]] = {}
     prompts = run_prompts(loaded, listed)  # the run's longest prompt sized its rows: size them alike
@@ -257,7 +247,7 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
         reqs = []
         for r in group:
             p = problems[r["problem_id"]]
-            seed = derive_seed(config["seed"], p.unique_id, r["sample"])
+            seed = derive_seed(settings.sampling.seed, p.unique_id, r["sample"])
             if seed != r.get("seed"):
                 raise RetentionError(f"{p.unique_id} sample {r['sample']}: recorded seed {r.get('seed')} is not "
                                      f"the seed its configuration derives ({seed})")
@@ -269,7 +259,7 @@ def reproduce(run_dir: Path, *, limit: int | None = None, stats: str | None = No
             got[req.key] = g
 
         run_engine(loaded.model, reqs, policy, sampling, _eos_ids(loaded), loaded.geometry.kib_per_token,
-                   batch_size=slots, fidelity=bool(config.get("fidelity", False)), on_finish=on_finish,
+                   batch_size=slots, fidelity=settings.fidelity, on_finish=on_finish,
                    max_prompt=longest)
     reproduced = {}
     for r in records:

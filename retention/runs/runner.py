@@ -36,6 +36,7 @@ from retention.errors import RetentionError
 from retention.models import format_prompt, output_text
 from retention.plugins import differing_keys, loaded_outside_since, refuse_other_code, stable_identity
 from retention.runs.scale.shard import shard_pairs, shard_size
+from retention.runs.settings import RunSettings
 from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
 from retention.runtime.engine import Request, SamplingConfig, run_engine
@@ -355,22 +356,24 @@ def run_prompts(loaded, problems) -> dict[str, list[int]]:
     return {p.unique_id: format_prompt(loaded.tokenizer, p.problem, style) for p in problems}
 
 
-def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int, sampling: dict,
-             fidelity: bool = False, grade: bool = True, progress: bool = True, batch_size: int | None = 1,
-             shard=None, trace: bool = False) -> None:
+def run_arms(loaded, arms: list[Arm], problems, settings: RunSettings, *, shard=None) -> None:
     """Generate every missing (problem, sample) record of every arm, `batch_size` sequences at a time.
 
     Each arm decodes the same pairs with the same seed per (problem, sample), one arm after the
     other; an arm's slots refill from all of its pending pairs, so it ends in one tail (its last
     answers decoding beside padding rows), not one per chunk. Each record is written as soon as its
     sequence ends, so a killed run loses only the sequences in flight, and a rerun resumes each arm.
-    batch_size: the slot count (`retention.runs.slots`: recorded in the run directory, matched on
-    resume); None chooses one for the device's memory and says so.
     loaded: a `retention.models.LoadedModel`; problems: objects with `unique_id`, `problem`,
-    `answer`; sampling: `max_new_tokens`, `temperature`, `top_p`, `ignore_eos`. shard: a
-    `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them). trace: record
-    what each sequence's cache held (`retention.runtime.trace.CacheTracer`) into its trace line.
+    `answer`; settings: the run's `RunSettings`, of which this reads the samples per problem, the
+    sampling (each arm draws with its own configuration's sampler), fidelity and the output: the
+    slot count (`batch_size`: `retention.runs.slots`, recorded in the run directory and matched on
+    resume; None chooses one for the device's memory and says so), grading, progress and trace (what
+    each sequence's cache held, `retention.runtime.trace.CacheTracer`, into its trace line). shard: a
+    `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them).
     """
+    samples, base_seed, fidelity = settings.problems.samples, settings.sampling.seed, settings.fidelity
+    out = settings.output
+    batch_size, grade, progress, trace = out.batch_size, out.grade, out.progress, out.trace
     mixed = [a.run.path for a in arms if a.run.trace != trace]
     if mixed:  # a traced directory takes only traced records, and the other way round
         raise RetentionError(f"{mixed[0]} is opened with trace={not trace}, the run with trace={trace}")
@@ -382,8 +385,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     longest = max(map(len, prompts.values()), default=0)
     explicit = batch_size is not None
     if batch_size is None:
-        choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], sampling["max_new_tokens"], longest, fidelity,
-                                 len(problems) * samples)
+        choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], settings.sampling.max_new_tokens, longest,
+                                 fidelity, len(problems) * samples)
         print(choice.why, file=sys.stderr)
         batch_size = choice.slots
     slots = resolve_slots(arms, batch_size, len(problems) * samples, explicit)
@@ -391,7 +394,8 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
     bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="seq", dynamic_ncols=True)
     for arm, S in zip(arms, slots):
         # The sampler is the arm configuration's (absent: the legacy one), whatever the caller passed.
-        cfg = SamplingConfig(**dict(sampling, sampler=arm.spec.config.get("sampler", LEGACY_SAMPLER)))
+        cfg = SamplingConfig(**settings.sampling.engine_args(),
+                             sampler=arm.spec.config.get("sampler", LEGACY_SAMPLER))
         # Pairs are drawn lazily as slots free: nothing is allocated per sample.
         pending = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)
                    if not arm.run.records.has(problems[i].unique_id, s))

@@ -16,6 +16,7 @@ from retention.runs.engines import engine_factory
 from retention.runs.engines.base import refuse_evicting, run_engine_arms
 from retention.runs.runner import Arm
 from retention.runs.scale.merge import open_shard_run
+from retention.runs.settings import RunSettings
 
 
 def resolve_weights(name: str) -> tuple[str, str, str]:
@@ -50,22 +51,22 @@ def _converted_split_model(spec) -> tuple[str, str, str] | None:
     return str(folder), f"{spec.package_prefix}1..{spec.parts}=={spec.version}", spec.sha256
 
 
-def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, arm_specs, problems, *,
-                        samples: int, seed: int, sampling: dict, fidelity: bool, grade: bool, out: Path,
-                        progress: bool = True, extra_config=None, shard=None, factory=None) -> list[Path]:
-    """What `retention.cli.run_cmd.execute` does, through the engine `engine_name` (non-evicting
+def execute_with_engine(settings: RunSettings, arm_specs, problems, *, extra_config=None, shard=None,
+                        factory=None) -> list[Path]:
+    """What `retention.runs.jobs.execute` does, through the engine `settings.engine` (non-evicting
     arms only). The engine's name and version join the configuration (so its runs never mix with
     this project's engine's) and `factory` (tests) replaces the registered engine class."""
     # deferred: transformers' Auto classes add ~0.3 s to CLI start-up (the CLI imports this module)
     from transformers import AutoConfig, AutoTokenizer
 
+    engine_name, model, out = settings.engine, settings.model, settings.output.out
     refuse_evicting(arm_specs, engine_name)
-    if fidelity:
+    if settings.fidelity:
         raise RetentionError(f"--fidelity compares with this project's cache and needs --engine hf, not {engine_name}")
     weights, model_id, revision = resolve_weights(model)
     tokenizer = AutoTokenizer.from_pretrained(weights)
-    geometry = CacheGeometry.from_config(AutoConfig.from_pretrained(weights), dtype)
-    engine = (factory or engine_factory(engine_name))(weights, dtype, device)
+    geometry = CacheGeometry.from_config(AutoConfig.from_pretrained(weights), settings.dtype)
+    engine = (factory or engine_factory(engine_name))(weights, settings.dtype, settings.device)
     style = prompt_style(model, tokenizer)  # the prompt this project's engine gives the same model
     arms = []
     for spec in arm_specs:
@@ -74,8 +75,9 @@ def execute_with_engine(engine_name: str, model: str, dtype: str, device: str, a
                                 **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
     eos = {i for i in [tokenizer.eos_token_id, *(_generation_eos(weights))] if isinstance(i, int)}
-    run_engine_arms(engine, tokenizer, geometry.kib_per_token, arms, problems, samples=samples, base_seed=seed,
-                    sampling=sampling, eos_ids=eos, grade=grade, shard=shard, progress=progress, prompt_style=style)
+    run_engine_arms(engine, tokenizer, geometry.kib_per_token, arms, problems, samples=settings.problems.samples,
+                    base_seed=settings.sampling.seed, sampling=settings.sampling.engine_args(), eos_ids=eos,
+                    grade=settings.output.grade, shard=shard, progress=settings.output.progress, prompt_style=style)
     return [a.run.path for a in arms]
 
 

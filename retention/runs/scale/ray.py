@@ -1,6 +1,6 @@
 """Ray launcher: the shards of one `retention run` as Ray tasks, one progress bar, merged at the end.
 
-Each shard (`retention.runs.scale.shard`) is one Ray task that runs `retention.cli.run_cmd.execute` for its
+Each shard (`retention.runs.scale.shard`) is one Ray task that runs `retention.runs.jobs.execute` for its
 pairs, on `gpus_per_shard` GPUs (Ray sets `CUDA_VISIBLE_DEVICES`, so `--device cuda` is the
 task's own GPU) or on CPU workers. All tasks write into the same run directories under `out`,
 which must be on a file system that every node and the driver share (the usual set-up of a Ray or
@@ -22,11 +22,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from protocol import shards as layout
-from protocol.splits import run_problems
 from retention.errors import RetentionError
 from retention.runs.jobs import execute
 from retention.runs.scale.merge import consolidate
 from retention.runs.scale.shard import Shard
+from retention.runs.settings import RunSettings
 
 
 @dataclass(frozen=True)
@@ -71,16 +71,16 @@ def _connect(ray, address: str | None) -> None:
             raise RetentionError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
 
 
-def run_shard(job: dict, shard: Shard) -> list[str]:
-    """The body of one Ray task: generate one shard (resuming its records). Returns run dirs."""
-    return [str(p) for p in execute(**job, shard=shard, progress=False)]
+def run_shard(settings: RunSettings, arm_specs: list, shard: Shard) -> list[str]:
+    """The body of one Ray task: generate one shard (resuming its records), without a progress bar
+    of its own (the driver shows one for all). Returns run dirs."""
+    return [str(p) for p in execute(settings.with_output(progress=False), arm_specs, shard=shard)]
 
 
-def _arm_configs(job: dict) -> list[dict]:
+def _arm_configs(arm_specs: list) -> list[dict]:
     """The configurations the driver expects to find in config.json (before the model's id and
     revision are added), to find the run directories to watch."""
-    extra = job.get("extra_config") or {}
-    return [dict(spec.config, **extra) for spec in job["arm_specs"]]
+    return [spec.config for spec in arm_specs]
 
 
 def _count_done(out: Path, configs: list[dict], count: int, cache: dict) -> int:
@@ -103,17 +103,18 @@ def _count_done(out: Path, configs: list[dict], count: int, cache: dict) -> int:
     return done
 
 
-def launch(job: dict, opts: RayOptions, *, n_pairs: int, progress: bool = True) -> list[Path]:
-    """Run `job` (the keyword arguments of `execute`, without `shard`) as `opts.shards` Ray tasks
-    and consolidate the run directories. n_pairs: (problem, sample) pairs of the whole run, for
-    the progress bar. Returns the run directories."""
+def launch(settings: RunSettings, arm_specs: list, opts: RayOptions, *, n_pairs: int) -> list[Path]:
+    """Run the arms `arm_specs` of a run with `settings` (what `execute` takes, without `shard`) as
+    `opts.shards` Ray tasks and consolidate the run directories. n_pairs: (problem, sample) pairs of
+    the whole run, for the progress bar (the settings' `output.progress`). Returns the run directories."""
     ray = _import_ray()
     _connect(ray, opts.address)
     task = ray.remote(run_shard).options(num_cpus=opts.cpus_per_shard, num_gpus=opts.gpus_per_shard,
                                          max_retries=opts.retries, retry_exceptions=False)
-    pending = {task.remote(job, Shard(i, opts.shards)): i for i in range(opts.shards)}
-    configs = _arm_configs(job)
-    out = Path(job["out"])
+    pending = {task.remote(settings, arm_specs, Shard(i, opts.shards)): i for i in range(opts.shards)}
+    configs = _arm_configs(arm_specs)
+    out = Path(settings.output.out)
+    progress = settings.output.progress
     total = n_pairs * len(configs)
     bar = tqdm(total=total, disable=not progress, unit="gen", dynamic_ncols=True, desc=f"{opts.shards} shards")
     cache: dict = {}
@@ -154,7 +155,7 @@ def _explain(ray, exc: Exception, shard: Shard) -> str:
     return f"shard {shard} failed: {type(cause or exc).__name__}: {first[-1] if first else ''}"
 
 
-def ray_options(job: dict, *, address: str | None, shards: int | None, gpus_per_shard: float | None,
+def ray_options(device: str, *, address: str | None, shards: int | None, gpus_per_shard: float | None,
                 cpus_per_shard: float, retries: int, shard: Shard | None) -> RayOptions:
     """The launcher options of `retention run --ray [ADDRESS] --shards N ...`, checked (before any
     model or data is touched)."""
@@ -167,15 +168,13 @@ def ray_options(job: dict, *, address: str | None, shards: int | None, gpus_per_
     if shards is None:
         raise RetentionError("--ray needs --shards N")
     if gpus_per_shard is None:
-        gpus_per_shard = 1.0 if str(job["device"]).startswith("cuda") else 0.0
-    if gpus_per_shard > 0 and str(job["device"]) not in ("cuda", "cuda:0"):
+        gpus_per_shard = 1.0 if str(device).startswith("cuda") else 0.0
+    if gpus_per_shard > 0 and str(device) not in ("cuda", "cuda:0"):
         raise RetentionError("with --gpus-per-shard, pass --device cuda: each shard sees only its own GPUs")
     return RayOptions(address, shards, gpus_per_shard, cpus_per_shard, retries)
 
 
-def launch_from_cli(job: dict, opts: RayOptions, *, progress: bool) -> list[Path]:
+def launch_from_cli(settings: RunSettings, arm_specs: list, opts: RayOptions) -> list[Path]:
     """`retention run --ray`: count the pairs, launch the shards, merge them."""
-    n_problems = len(run_problems(job["split"], job.get("dataset", "math500"), job["data_path"], job.get("splits_dir")))
-    if job.get("limit"):
-        n_problems = min(n_problems, int(job["limit"]))
-    return launch(job, opts, n_pairs=n_problems * int(job["samples"]), progress=progress)
+    n_pairs = len(settings.problems.load()) * settings.problems.samples
+    return launch(settings, arm_specs, opts, n_pairs=n_pairs)
