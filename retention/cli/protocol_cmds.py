@@ -13,11 +13,12 @@ import os
 import re
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from retention.cli.options import bounded, splits_dir_option
+from retention.cli.options import bounded, collect, splits_dir_option
 from retention.cli.view_cmd import echo_site, pieces_option_value, tokenizer_option
 from retention.errors import RetentionError
 from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
@@ -132,6 +133,71 @@ def _budget(text: str):
 # preregister
 
 
+@dataclass(frozen=True)
+class PlanArms:
+    """The plan's two arm configurations, each from JSON (inline or @file) plus dotted KEY=VALUE
+    settings, with --sampler where the arm sets none, normalised (`retention.runs.arms.normalize_arm`)."""
+
+    treatment: dict
+    baseline: dict
+
+    @classmethod
+    def from_options(cls, *, treatment, treatment_set, baseline, baseline_set, sampler) -> PlanArms:
+        from retention.runs.arms import normalize_arm
+
+        return cls(*(normalize_arm(_with_sampler(_arm_config(text, sets, flag), sampler))
+                     for text, sets, flag in ((treatment, treatment_set, "--treatment"),
+                                              (baseline, baseline_set, "--baseline"))))
+
+
+@dataclass(frozen=True)
+class PlanTest:
+    """The primary test a plan registers: its name, bootstrap resamples (more near the threshold),
+    resampling seed, family-wise alpha and Bonferroni family size (None: the number of cells)."""
+
+    test: str
+    boot: int
+    boot_max: int
+    boot_seed: int
+    alpha: float
+    m: int | None
+
+
+@dataclass(frozen=True)
+class PowerChoice:
+    """How each cell's power is computed and bounded (`retention.runs.power_inputs.with_power`)."""
+
+    dev_paths: tuple[Path, ...]
+    target_power: float
+    mde_bound: float
+    allow_underpowered: bool
+    time_slots: int | None
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What a plan names its inputs by: the split manifest, the code version, the configuration
+    schema, pinned model revisions and the generation runner (None: the defaults)."""
+
+    manifest_hash: str | None
+    code_version: str | None
+    config_schema: int | None
+    model_revision: tuple[str, ...]
+    runner_spec: str | None
+
+
+@dataclass(frozen=True)
+class Supersedes:
+    """Plans whose cells this one confirms again, and why (`--supersedes`, `--reason`)."""
+
+    supersedes: tuple[str, ...]
+    reason: str | None
+
+
+def _fields(cls) -> tuple[str, ...]:
+    return tuple(cls.__dataclass_fields__)
+
+
 @click.command("preregister")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Plan file (*.json), or a directory to write plan-<hash12>.json into.")
@@ -192,10 +258,14 @@ def _budget(text: str):
               help="Measure this host's decode step (each model loaded, a few steps of a dev problem at 1 and this "
                    "many slots) and record the predicted wall time of the confirmation.")
 @splits_dir_option
-def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, baseline_set, samples,
-                    seed, max_new_tokens, test, boot, boot_max, boot_seed, alpha, m,
-                    model_revision, manifest_hash, code_version, config_schema, sampler, note, dataset, runner_spec,
-                    supersedes, reason, dev_paths, target_power, mde_bound, allow_underpowered, time_slots, splits_dir):
+@collect("provenance", Provenance, _fields(Provenance))
+@collect("arms", PlanArms.from_options, ("treatment", "treatment_set", "baseline", "baseline_set", "sampler"))
+@collect("test", PlanTest, _fields(PlanTest))
+@collect("power", PowerChoice, _fields(PowerChoice))
+@collect("supersede", Supersedes, _fields(Supersedes))
+def preregister_cmd(out, models, budgets, samples, seed, max_new_tokens, note, dataset, splits_dir,
+                    arms: PlanArms, test: PlanTest, power: PowerChoice, provenance: Provenance,
+                    supersede: Supersedes):
     """Write a content-hashed pre-registration plan for a confirm run.
 
     A plan whose cells another plan already confirmed or started (same model, budget, dataset and
@@ -204,8 +274,9 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     from protocol import prereg
     from protocol.splits import manifest_sha256
 
-    from retention.runs.arms import normalize_arm, validate_plan
+    from retention.runs.arms import validate_plan
 
+    manifest_hash = provenance.manifest_hash
     if manifest_hash is not None and not re.fullmatch(r"[0-9a-f]{64}", manifest_hash):
         raise click.ClickException(f"--manifest-hash must be 64 lowercase hex digits, got {manifest_hash!r}")
     # verifies the splits against the data; each dataset has its own manifest
@@ -213,10 +284,8 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     if manifest_hash is not None and manifest_hash != manifest:
         raise click.ClickException(f"--manifest-hash {manifest_hash[:12]} is not the verified split manifest "
                                    f"{manifest[:12]}; a plan must name the splits it will be confirmed on")
-    treatment, baseline = (normalize_arm(_with_sampler(_arm_config(text, sets, flag), sampler))
-                           for text, sets, flag in ((treatment, treatment_set, "--treatment"),
-                                                    (baseline, baseline_set, "--baseline")))
     sources = None
+    runner_spec = provenance.runner_spec
     if runner_spec is not None:
         from retention.runs.confirm_inputs import runner_sources
 
@@ -226,13 +295,14 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     # Models by content and arms fully resolved: two spellings of one cell are one cell.
     plan = canonical_plan(
         models=models, budgets=[_budget(b) for b in budgets],
-        treatment=treatment, baseline=baseline, k=samples, seed=seed,
+        treatment=arms.treatment, baseline=arms.baseline, k=samples, seed=seed,
         max_new_tokens=max_new_tokens, manifest_hash=manifest,
-        code_version=code_version or current_code_version(), boot=boot, boot_max=boot_max,
-        boot_seed=boot_seed, alpha=alpha, m=m, test=test,
-        config_schema=_runtime_schema() if config_schema is None else config_schema,
-        model_revisions={k: str(v) for k, v in _key_values(model_revision, "--model-revision").items()},
-        note=note, dataset=dataset, runner=runner_spec, runner_sources=sources, supersedes=supersedes, reason=reason)
+        code_version=provenance.code_version or current_code_version(), boot=test.boot, boot_max=test.boot_max,
+        boot_seed=test.boot_seed, alpha=test.alpha, m=test.m, test=test.test,
+        config_schema=_runtime_schema() if provenance.config_schema is None else provenance.config_schema,
+        model_revisions={k: str(v) for k, v in _key_values(provenance.model_revision, "--model-revision").items()},
+        note=note, dataset=dataset, runner=runner_spec, runner_sources=sources, supersedes=supersede.supersedes,
+        reason=supersede.reason)
     # Each arm of each cell exactly as `run` would validate it; the calibration statistics each
     # resolves to are recorded by content, per cell (each model has its own).
     plan = prereg.with_cell_stats(plan, validate_plan(plan))
@@ -241,12 +311,14 @@ def preregister_cmd(out, models, budgets, treatment, treatment_set, baseline, ba
     check_plan_runs(plan)  # built as confirm builds it; a plugin through its cheap checks on tiny-random
     from retention.runs.power_inputs import with_power
 
-    plan, refused = with_power(plan, dev_paths, target_power, mde_bound, allow_underpowered, time_slots, splits_dir)
+    plan, refused = with_power(plan, power.dev_paths, power.target_power, power.mde_bound, power.allow_underpowered,
+                               power.time_slots, splits_dir)
     if refused:
         mdes = ", ".join("undefined" if plan["power"]["cells"][c]["mde_pp"] is None
                          else f"{plan['power']['cells'][c]['mde_pp']:.1f}" for c in refused)
         raise click.ClickException(
-            f"cell(s) {', '.join(refused)} cannot detect less than {mde_bound:g} pp at power {target_power:g} "
+            f"cell(s) {', '.join(refused)} cannot detect less than {power.mde_bound:g} pp at power "
+            f"{power.target_power:g} "
             f"(MDE {mdes} pp); raise k or the bound, or register anyway with --allow-underpowered")
     path, h, written = prereg.write_plan(plan, out)  # refuses an unacknowledged repeat of a cell
     state = "registered" if written else "already registered (unchanged)"
