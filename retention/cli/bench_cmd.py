@@ -4,18 +4,60 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
-from retention.cli.options import splits_dir_option
+from retention.cli.options import collect, splits_dir_option
 from retention.errors import RetentionError
 
 # Options both benchmarks read; every other option belongs to one of them (`_LAYOUT_ONLY` or the scorer benchmark).
 _SHARED = {"contexts", "batch_sizes", "dtype", "device", "threads", "out"}
 _LAYOUT_ONLY = {"layouts", "steps"}
 _DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class BenchArms:
+    """What the scorer benchmark measures: the scorers and reference variants (a comma list), at one
+    budget (tokens, or KiB per sequence), interval and comma list of accounting modes, with their
+    statistics and λ."""
+
+    scorers: str
+    budget: int
+    budget_kib: float | None
+    interval: int | None
+    accounting: str
+    stats_path: str | None
+    lam: float | None
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """How much is measured: batch sizes and contexts (comma lists), tokens per measurement, dev
+    problems and tokens for the agreement with `full`, and timed steps per point (--layouts)."""
+
+    batch_sizes: str | None
+    contexts: str | None
+    new_tokens: int
+    problems: int
+    agreement_tokens: int | None
+    steps: int | None
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """--memory-budget: tokens/s at equal KV memory (MiB, sequences per arm, most slots per arm)."""
+
+    memory_mib: float | None
+    memory_sequences: int | None
+    memory_max_slots: int
+
+
+def _fields(cls) -> tuple[str, ...]:
+    return tuple(cls.__dataclass_fields__)
 
 
 @click.command("bench")
@@ -73,12 +115,19 @@ _DTYPES = ("float32", "bfloat16", "float16")
               help="Also write the figures to this JSON file (replaced atomically); they always go to stdout.")
 @splits_dir_option
 @click.pass_context
-def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, budget, budget_kib, interval, accounting,
-                  new_tokens, problems, agreement_tokens, stats_path, lam, dtype, device, threads, engines, vllm_eager,
-                  memory_mib, memory_sequences, memory_max_slots, out, splits_dir):
+@collect("arms", BenchArms, _fields(BenchArms))
+@collect("shape", BenchShape, _fields(BenchShape))
+@collect("memory", MemoryChoice, _fields(MemoryChoice))
+def bench_command(ctx, model, layouts, dtype, device, threads, engines, vllm_eager, out, splits_dir,
+                  arms: BenchArms, shape: BenchShape, memory: MemoryChoice):
     """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`;
     with --layouts, decode step time against context for the 124M study layouts (random weights); with
     --engine hf,vllm, full-cache decode of this project's engine against vLLM's."""
+    # The helpers below take the values one by one (each benchmark reads its own few).
+    scorers, budget, budget_kib, interval, accounting, stats_path, lam = (
+        arms.scorers, arms.budget, arms.budget_kib, arms.interval, arms.accounting, arms.stats_path, arms.lam)
+    batch_sizes, contexts, new_tokens, problems, agreement_tokens, steps = (
+        shape.batch_sizes, shape.contexts, shape.new_tokens, shape.problems, shape.agreement_tokens, shape.steps)
     # Explicit means typed on the command line: an environment default (--splits-dir) is not a choice.
     given = {p.name: p.opts[0] for p in ctx.command.params
              if ctx.get_parameter_source(p.name) is ParameterSource.COMMANDLINE}
@@ -122,7 +171,7 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     if budget_kib is not None:  # the same conversion (and refusals) as `retention run --budget-bytes`
         budget = tokens_for_kib(model, dtype, budget if "budget" in given else None, budget_kib)
     _check_variants(names, budget, interval, modes, stats_path, lam)
-    if memory_mib is None:
+    if memory.memory_mib is None:
         _refuse_foreign(given, {"memory_sequences", "memory_max_slots"}, "only with --memory-budget")
     _check_out(out)
     torch = _set_threads(threads)
@@ -131,8 +180,8 @@ def bench_command(ctx, model, scorers, layouts, batch_sizes, contexts, steps, bu
     params = {k: v for k, v in {"stats": stats_path, "lam": lam}.items() if v is not None}
     figures = run_bench(loaded, dev, names, budget, new_tokens, modes, problems, interval=interval, params=params,
                         agreement_tokens=agreement_tokens, echo=lambda msg: click.echo(msg, err=True),
-                        batch_sizes=sizes, contexts=ctxs, memory_mib=memory_mib, memory_sequences=memory_sequences,
-                        memory_max_slots=memory_max_slots)
+                        batch_sizes=sizes, contexts=ctxs, memory_mib=memory.memory_mib,
+                        memory_sequences=memory.memory_sequences, memory_max_slots=memory.memory_max_slots)
     # The budget in both units: tokens per (layer, KV head) and the KiB per sequence they hold.
     figures["budget_kib"] = budget * loaded.geometry.kib_per_token
     if budget_kib is not None:
