@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from retention.cli.options import bounded, splits_dir_option
+from retention.cli.options import bounded, collect, splits_dir_option
+
+
+def _job_shape(**options):
+    """`retention.runs.sizing.JobShape` of the job's options (imported when the command runs)."""
+    from retention.runs.sizing import JobShape
+
+    return JobShape(**options)
 
 
 @click.command("size")
@@ -42,19 +49,20 @@ from retention.cli.options import bounded, splits_dir_option
               help="Write the decision as JSON to this file (a runs folder's sizing.json: `retention report` "
                    "states it).")
 @splits_dir_option
-def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms, full_arms, fidelity, commands,
-                 min_problems, min_tokens, solved_from, margin, note, splits_dir):
+@collect("shape", _job_shape, ("tokens", "batch", "retention_arms", "full_arms", "fidelity", "commands"))
+def size_command(model, dtype, requested, seconds, shape, min_problems, min_tokens, solved_from, margin, note,
+                 splits_dir):
     """Measure this host's decode step on MODEL and print the problem count and token limit, at most
     --limit and --max-new-tokens, whose pessimistic predicted time fits --seconds (stdout: `P T F`,
     F `fidelity` or `no-fidelity`: whether the job keeps the fidelity proxy; stderr: why;
     `retention.runs.sizing`)."""
     from retention.models import load_model
-    from retention.runs.sizing import JobShape, size_job, solved_tokens, write_note
+    from retention.runs.sizing import size_job, solved_tokens, write_note
 
     from protocol.io import check_writable
     from protocol.splits import load_split
 
-    if retention_arms + full_arms == 0:
+    if shape.retention_arms + shape.full_arms == 0:
         raise click.UsageError("a job needs at least one arm (--retention-arms or --full-arms)")
     if note:
         check_writable(Path(note), "--out")  # before the model loads
@@ -63,8 +71,6 @@ def size_command(model, dtype, requested, seconds, tokens, batch, retention_arms
     loaded = load_model(model, dtype=dtype, device="cpu")
     load_seconds = time.perf_counter() - t0
     solved = None if solved_from is None else solved_tokens(Path(solved_from), loaded.name)
-    shape = JobShape(tokens=tokens, batch=batch, retention_arms=retention_arms, full_arms=full_arms,
-                     fidelity=fidelity, commands=commands)
     sizing = size_job(loaded, problems, shape, requested, seconds - (time.perf_counter() - t0), load_seconds, margin,
                       min_problems, min_tokens, solved)
     if note:
