@@ -21,6 +21,7 @@ from retention.errors import RetentionError
 from retention.models import format_prompt, output_text
 from retention.runs.runner import derive_seed, make_record
 from retention.runs.scale.shard import shard_pairs
+from retention.runs.settings import RunSettings
 from retention.runtime.meter import BudgetMeter
 from retention.scorers import get_scorer_class
 
@@ -82,17 +83,18 @@ def refuse_evicting(arm_specs, engine_name: str) -> None:
                              "--engine hf")
 
 
-def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, problems, *, samples: int,
-                    base_seed: int, sampling: dict, eos_ids: set[int], grade: bool = True, shard=None,
-                    batch: int = 64, progress: bool = True, prompt_style: str = "chat") -> None:
+def run_engine_arms(engine: Engine, tokenizer, kib_per_token: float, arms, problems, settings: RunSettings, *,
+                    eos_ids: set[int], shard=None, batch: int = 64, prompt_style: str = "chat") -> None:
     """Generate every missing (problem, sample) record of every arm through `engine`, `batch`
-    requests at a time (records are flushed after each batch, so an interrupted run resumes)."""
-    grader = grading.grade if grade else None
+    requests at a time (records are flushed after each batch, so an interrupted run resumes).
+    settings: the run's samples per problem, seed, sampling, grading and progress bar."""
+    samples, base_seed, sampling = settings.problems.samples, settings.sampling.seed, settings.sampling.engine_args()
+    grader = grading.grade if settings.output.grade else None
     pairs = [(problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)]
     gold = {p.unique_id: getattr(p, "answer", None) for p, _ in pairs}
     text_of = {p.unique_id: getattr(p, "problem", None) for p, _ in pairs}
     prompts: dict[str, list[int]] = {}
-    bar = tqdm(total=len(pairs) * len(arms), disable=not progress, unit="gen", dynamic_ncols=True)
+    bar = tqdm(total=len(pairs) * len(arms), disable=not settings.output.progress, unit="gen", dynamic_ncols=True)
     for arm in arms:
         todo = [(p, s) for p, s in pairs if not arm.run.records.has(p.unique_id, s)]
         bar.update(len(pairs) - len(todo))

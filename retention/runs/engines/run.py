@@ -75,9 +75,8 @@ def execute_with_engine(settings: RunSettings, arm_specs, problems, *, extra_con
                                 **(extra_config or {}))
         arms.append(Arm(open_shard_run(out, spec.config, shard), spec))
     eos = {i for i in [tokenizer.eos_token_id, *(_generation_eos(weights))] if isinstance(i, int)}
-    run_engine_arms(engine, tokenizer, geometry.kib_per_token, arms, problems, samples=settings.problems.samples,
-                    base_seed=settings.sampling.seed, sampling=settings.sampling.engine_args(), eos_ids=eos,
-                    grade=settings.output.grade, shard=shard, progress=settings.output.progress, prompt_style=style)
+    run_engine_arms(engine, tokenizer, geometry.kib_per_token, arms, problems, settings, eos_ids=eos, shard=shard,
+                    prompt_style=style)
     return [a.run.path for a in arms]
 
 
