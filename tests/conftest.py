@@ -78,6 +78,7 @@ SLOW_MODULES: frozenset[str] = frozenset({
     "retention/models/arch/test_run.py",
     "retention/runs/engines/test_vllm.py",
     "retention/runs/scale/test_merge.py",
+    "retention/runs/scale/test_ray_inline.py",
     "retention/runs/test_aime_run.py",
     "retention/runs/test_engine_bench.py",
     "retention/runs/test_reproduce.py",
