@@ -80,8 +80,8 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, sampler=sampler, seed=seed,
         ignore_eos=ignore_eos, trace=trace, grade=grade, out=out, batch_size=batch_size, progress=progress)
     budget = Budget(budget, None, interval, accounting, sink, recent, protect_prompt, protect_prompt_counted)
-    spec = validate_arm(dict(budget.config(), scorer=name, scorer_params=scorer_params, **(mechanisms or {})),
-                        settings=settings)
+    spec = validate_arm(dict(scorer=name, scorer_params=scorer_params, **(mechanisms or {})), settings=settings,
+                        budget=budget)
     (run_dir,) = execute(settings, [spec])
     return read_jsonl(Path(run_dir) / "records.jsonl", "record").objects
 

@@ -231,9 +231,8 @@ def run_command(settings: RunSettings, budget: Budget, arms: ArmChoice, scale: S
     options = resolve(names, shared, params)  # per listed scorer; an option no listed scorer takes is an error
     # Validate every arm (the same function `preregister` and `confirm` use) before loading a
     # model or touching the output folder.
-    arm_specs = [validate_arm(dict(budget.config(), scorer=name,
-                                   scorer_params={k: v for k, v in options[name].items() if v is not None},
-                                   **_mechanisms_for(name, mechanisms, baseline)), settings=settings)
+    arm_specs = [validate_arm(dict(scorer=name, scorer_params={k: v for k, v in options[name].items() if v is not None},
+                                   **_mechanisms_for(name, mechanisms, baseline)), settings=settings, budget=budget)
                  for name in names]
     ray_opts = scale.ray_options(settings.device, shard)
     out = settings.output.out

@@ -258,7 +258,8 @@ def check_scorer_reads(scorer: str, ref, dtype: str, reads=None) -> None:
         raise RetentionError(refusal)
 
 
-def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None = None):
+def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None = None,
+                 budget: Budget | None = None):
     """Validate one arm's complete run configuration exactly as `run` will run it.
 
     The one validation of `run`, `preregister` (each arm of each cell) and `confirm` (before any
@@ -270,16 +271,20 @@ def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None
     `state`, `decoding` (a name or `{"name", "params"}`; absent: the default). Returns the `ArmSpec`.
     as_named: see `build_arm_config` (the contract kit only). settings: the run's settings, already
     validated (`RunSettings`): their configuration keys join cfg's (which then holds the arm's own keys
-    only); None: cfg holds them, checked here by building the settings they name.
+    only); None: cfg holds them, checked here by building the settings they name. budget: the same for
+    the arm's `Budget` (its keys join cfg's; None: checked here from cfg's).
     """
     if settings is not None:
         cfg = dict(settings.config(), **cfg)
+    if budget is not None:
+        cfg = dict(budget.config(), **cfg)
     cfg = normalize_arm(cfg)
     if not isinstance(cfg.get("scorer"), str) or not cfg["scorer"]:
         raise RetentionError("an arm configuration needs a 'scorer' name")
     if settings is None:
         settings = RunSettings.from_config(cfg)  # every run setting checked, in one line each
-    Budget.from_config(cfg)
+    if budget is None:
+        Budget.from_config(cfg)  # every budget value checked, in one line each
     ref = resolve_model(settings.model)
     engine = cfg.get("engine", "hf")
     check_scorer_reads(cfg["scorer"], ref, settings.dtype)

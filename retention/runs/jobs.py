@@ -104,9 +104,9 @@ def confirm_runner(cell: dict, arm: str, arm_config: dict, out_dir: Path, *, spl
         raise RetentionError("confirm_runner runs the confirm split only")
     try:  # bad input, not a crash: confirm must not log it as one
         settings = RunSettings.from_plan(cfg, Output(Path(out_dir), trace=trace), splits_dir)
-        arm = dict(Budget.from_config(cfg).config(), scorer=cfg["scorer"],
-                   scorer_params=dict(cfg.get("scorer_params") or {}), **{f: cfg[f] for f in FAMILIES if f in cfg})
-        spec = validate_arm(arm, settings=settings)
+        arm = dict(scorer=cfg["scorer"], scorer_params=dict(cfg.get("scorer_params") or {}),
+                   **{f: cfg[f] for f in FAMILIES if f in cfg})
+        spec = validate_arm(arm, settings=settings, budget=Budget.from_config(cfg))
     except RetentionError as exc:
         raise ProtocolError(str(exc)) from None
     # A pinned model revision that differs from the loaded one shows up as a logged deviation.

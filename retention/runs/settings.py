@@ -289,7 +289,8 @@ class Budget:
     `interval`, the meter's `accounting`, the protected `sink`/`recent` tokens, the prompt kept on top
     of b (`on_top`, `--protect-prompt`) or counted inside it (`counted`; None: the scorer's own rule).
 
-    The cadence each arm runs at is derived from it once, in `retention.runs.arms.build_arm_config`."""
+    Constructing one checks each value, in one line naming its option; the cadence each arm runs at
+    is derived from it once, in `retention.runs.arms.build_arm_config`."""
 
     tokens: int | None = None
     kib: float | None = None
@@ -299,6 +300,15 @@ class Budget:
     recent: int | None = None
     on_top: bool = False
     counted: bool | None = None
+
+    def __post_init__(self):
+        check_number(self.kib, float, "--budget-bytes", lo=0, lo_open=True)
+        check_number(self.tokens, int, "--budget", lo=1, hi=MAX_BUDGET)
+        check_number(self.interval, int, "--interval", lo=1, hi=MAX_BUDGET)
+        check_number(self.sink, int, "--sink", lo=0)
+        check_number(self.recent, int, "--recent", lo=0)
+        if self.accounting not in ACCOUNTINGS:
+            raise RetentionError(f"--accounting must be mean, prefill or peak, got {self.accounting!r}")
 
     @classmethod
     def from_options(cls, settings: RunSettings, *, budget=None, budget_kib=None, interval=None, accounting="mean",
@@ -315,14 +325,7 @@ class Budget:
 
     @classmethod
     def from_config(cls, cfg: dict) -> Budget:
-        """The budget a run configuration names, each value checked in one line."""
-        check_number(cfg.get("budget_kib"), float, "--budget-bytes", lo=0, lo_open=True)
-        for key, flag in (("budget", "--budget"), ("interval", "--interval")):
-            check_number(cfg.get(key), int, flag, lo=1, hi=MAX_BUDGET)
-        for key, flag in (("sink", "--sink"), ("recent", "--recent")):
-            check_number(cfg.get(key), int, flag, lo=0)
-        if cfg.get("accounting", "mean") not in ACCOUNTINGS:
-            raise RetentionError(f"--accounting must be mean, prefill or peak, got {cfg.get('accounting')!r}")
+        """The budget a run configuration names (absent keys at their defaults)."""
         return cls(cfg.get("budget"), cfg.get("budget_kib"), cfg.get("interval"), cfg.get("accounting", "mean"),
                    cfg.get("sink"), cfg.get("recent"), bool(cfg.get("protect_prompt", False)),
                    cfg.get("protect_prompt_counted"))

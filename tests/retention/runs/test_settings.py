@@ -123,3 +123,17 @@ def test_sampling_hands_the_engines_their_dict():
     s = Sampling(64, 0.0, 1.0, True, 3, None)
     assert s.engine_args() == {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
     assert s.drawn_with == LEGACY_SAMPLER  # absent from the configuration: the legacy sampler
+
+
+@pytest.mark.parametrize("values, needle", [
+    ({"tokens": 0}, "--budget must be >= 1"),
+    ({"kib": 0.0}, "--budget-bytes must be > 0"),
+    ({"interval": 1 << 25}, "--interval must be <="),
+    ({"sink": -1}, "--sink must be >= 0"),
+    ({"recent": 1.5}, "--recent must be a finite integer"),
+    ({"accounting": "median"}, "--accounting must be mean, prefill or peak"),
+])
+def test_a_budget_checks_each_value_when_built(values, needle):
+    """However it is built (options, a configuration, the API), a budget is checked once, there."""
+    with pytest.raises(RetentionError, match=needle.replace("(", r"\(")):
+        Budget(**values)
