@@ -56,10 +56,6 @@ class MemoryChoice:
     memory_max_slots: int
 
 
-def _fields(cls) -> tuple[str, ...]:
-    return tuple(cls.__dataclass_fields__)
-
-
 @click.command("bench")
 @click.option("--model", default="smollm2-135m", show_default=True, help="Model alias or local folder.")
 @click.option("--scorer", "--scorers", "scorers", default="full,streaming,random", show_default=True,
@@ -115,9 +111,9 @@ def _fields(cls) -> tuple[str, ...]:
               help="Also write the figures to this JSON file (replaced atomically); they always go to stdout.")
 @splits_dir_option
 @click.pass_context
-@collect("arms", BenchArms, _fields(BenchArms))
-@collect("shape", BenchShape, _fields(BenchShape))
-@collect("memory", MemoryChoice, _fields(MemoryChoice))
+@collect("arms", BenchArms)
+@collect("shape", BenchShape)
+@collect("memory", MemoryChoice)
 def bench_command(ctx, model, layouts, dtype, device, threads, engines, vllm_eager, out, splits_dir,
                   arms: BenchArms, shape: BenchShape, memory: MemoryChoice):
     """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`;

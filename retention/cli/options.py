@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -29,16 +30,19 @@ def bounded(name, lo, hi, lo_open=False):
     return check
 
 
-def collect(name: str, build, keys: tuple[str, ...], needs: tuple[str, ...] = ()):
-    """A decorator that hands a command its options `keys` as one typed object: `name` =
-    `build(*needs, **those options)`, `needs` naming objects an upper `collect` built first (the
-    budget needs the run settings' model). A command function then takes a few settings objects
-    rather than every option; the options themselves (flags, help, defaults, order) are declared as
-    before. Place it under the options, right above the function; stacked, the uppermost builds first."""
+def collect(name: str, build, keys: tuple[str, ...] | None = None, needs: tuple[str, ...] = ()):
+    """A decorator that hands a command its options `keys` (None: the fields of `build`, a frozen
+    dataclass) as one typed object: `name` = `build(*needs, **those options)`, `needs` naming objects
+    an upper `collect` built first (the budget needs the run settings' model). A command function then
+    takes a few settings objects rather than every option; the options themselves (flags, help,
+    defaults, order) are declared as before. Place it under the options, right above the function;
+    stacked, the uppermost builds first."""
+    names = tuple(f.name for f in dataclasses.fields(build)) if keys is None else keys
+
     def decorate(f):
         @functools.wraps(f)
         def command(*args, **kwargs):
-            kwargs[name] = build(*(kwargs[n] for n in needs), **{k: kwargs.pop(k) for k in keys})
+            kwargs[name] = build(*(kwargs[n] for n in needs), **{k: kwargs.pop(k) for k in names})
             return f(*args, **kwargs)
 
         return command

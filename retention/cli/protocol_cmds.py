@@ -194,10 +194,6 @@ class Supersedes:
     reason: str | None
 
 
-def _fields(cls) -> tuple[str, ...]:
-    return tuple(cls.__dataclass_fields__)
-
-
 @click.command("preregister")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Plan file (*.json), or a directory to write plan-<hash12>.json into.")
@@ -258,11 +254,11 @@ def _fields(cls) -> tuple[str, ...]:
               help="Measure this host's decode step (each model loaded, a few steps of a dev problem at 1 and this "
                    "many slots) and record the predicted wall time of the confirmation.")
 @splits_dir_option
-@collect("provenance", Provenance, _fields(Provenance))
+@collect("provenance", Provenance)
 @collect("arms", PlanArms.from_options, ("treatment", "treatment_set", "baseline", "baseline_set", "sampler"))
-@collect("test", PlanTest, _fields(PlanTest))
-@collect("power", PowerChoice, _fields(PowerChoice))
-@collect("supersede", Supersedes, _fields(Supersedes))
+@collect("test", PlanTest)
+@collect("power", PowerChoice)
+@collect("supersede", Supersedes)
 def preregister_cmd(out, models, budgets, samples, seed, max_new_tokens, note, dataset, splits_dir,
                     arms: PlanArms, test: PlanTest, power: PowerChoice, provenance: Provenance,
                     supersede: Supersedes):

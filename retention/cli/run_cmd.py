@@ -9,11 +9,11 @@ from pathlib import Path
 import click
 
 from protocol.io import check_writable_dir, read_jsonl
-from retention.runs.arms import ENGINES, validate_arm
+from retention.runs.arms import validate_arm
 from retention.cli.options import bounded, collect, splits_dir_option
 from retention.errors import RetentionError
 from retention.runs.jobs import execute
-from retention.runs.settings import Budget, RunSettings
+from retention.runs.settings import ENGINES, Budget, RunSettings
 from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
 
 def _positive(name):
@@ -86,10 +86,6 @@ class ScaleChoice:
         return ray_options(device, address=self.ray_address, shards=self.shards, gpus_per_shard=self.gpus_per_shard,
                            cpus_per_shard=1.0 if self.cpus_per_shard is None else self.cpus_per_shard,
                            retries=3 if self.retries is None else self.retries, shard=shard)
-
-
-def _fields(cls) -> tuple[str, ...]:
-    return tuple(cls.__dataclass_fields__)
 
 
 @click.command("run")
@@ -197,8 +193,8 @@ def _fields(cls) -> tuple[str, ...]:
                    "decodes on the reference MLA modules); vllm: vLLM's offline API for non-evicting arms (full).")
 @collect("settings", _settings, SETTINGS_OPTIONS)
 @collect("budget", Budget.from_options, BUDGET_OPTIONS, needs=("settings",))
-@collect("arms", ArmChoice, _fields(ArmChoice))
-@collect("scale", ScaleChoice, _fields(ScaleChoice))
+@collect("arms", ArmChoice)
+@collect("scale", ScaleChoice)
 def run_command(settings: RunSettings, budget: Budget, arms: ArmChoice, scale: ScaleChoice):
     """Generate on the dev split under retention policies and write resumable run directories.
 

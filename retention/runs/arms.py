@@ -19,8 +19,7 @@ from retention.runs.canonical import canonical_values, is_trivial, typed_params
 from retention.runs.scorer_options import scorer_fields
 from protocol.io import canonical_json
 from protocol.numbers import canonical_value
-from retention.runs.settings import (ENGINES, MAX_BUDGET, MAX_NEW_TOKENS, MAX_SAMPLES,  # noqa: F401 - re-exported
-                                     Budget, RunSettings)
+from retention.runs.settings import Budget, RunSettings
 from retention.runs.spec import ArmSpec, MechanismSpec
 from retention.runtime.adapter import provides
 from retention.runtime.cadence import REFERENCE_INTERVAL

@@ -40,7 +40,7 @@ def test_collect_hands_the_options_as_one_object_built_in_order():
     @click.option("--a", type=int, default=1)
     @click.option("--b", type=int, default=2)
     @click.option("--c", type=int, default=3)
-    @collect("pair", _Pair, ("a", "b"))
+    @collect("pair", _Pair)  # its fields name the options
     @collect("total", lambda pair, c: pair.a + pair.b + c, ("c",), needs=("pair",))
     def cmd(pair, total):
         """Help of the command."""
