@@ -105,7 +105,7 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def built(runs, tmp_path_factory):
-    rep = report.build_report([runs], boot=4000, seed=1)
+    rep = report.build_report([runs], boot=1000, seed=1)
     out = tmp_path_factory.mktemp("report")
     written = report.write_report(rep, out)
     return rep, out, written
