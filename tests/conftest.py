@@ -8,6 +8,7 @@ and CLI tests running `retention` in a subprocess find the same cache.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,29 @@ def smollm() -> LoadedModel:
     from retention.models import load_model
 
     return load_model("smollm2-135m", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The tests' models are tiny: one intra-op thread runs them fastest, and a second one only
+    contends with whatever else the host runs (measured 2026-12-07 on a loaded 2-core host: the
+    runtime, scorer and model tests of the fast tier took 35-49 s on one thread, 159-240 s on two).
+    So the suite runs as under `OMP_NUM_THREADS=1`, this process and the `retention` processes it
+    starts alike (a record's tokens may depend on the thread count: retention.host). An explicit
+    OMP_NUM_THREADS wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 @pytest.fixture(autouse=True)
