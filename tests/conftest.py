@@ -162,6 +162,7 @@ SLOW_TESTS: frozenset[str] = frozenset({
     "retention/cli/test_isa_portable.py::test_portable_records_are_those_of_the_native_instruction_set",
     "committed/test_regrade.py::test_first_confirm_256_regraded",
     "committed/test_regrade.py::test_design_space_newline_regraded",
+    "committed/test_dev_runs.py::test_dev_1p5b_table_is_its_records",
     # estimated: each runs the contract kit on a deliberately broken scorer
     "retention/contract/test_checks.py::test_broken_scorers_fail_the_right_check",
     "retention/contract/test_checks.py::test_batch_dependent_is_still_deterministic",

@@ -393,7 +393,7 @@ def _cli(args):
 
 
 def test_cli_report(runs, tmp_path):
-    res = _cli(["report", str(runs), "--out", str(tmp_path / "rep"), "--boot", "2000", "--seed", "3"])
+    res = _cli(["report", str(runs), "--out", str(tmp_path / "rep"), "--boot", "500", "--seed", "3"])
     assert res.exit_code == 0, res.output
     assert "alpha vs triattention" in res.output and "iso-cache" in res.output
     assert "Spearman" in res.output
