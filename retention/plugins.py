@@ -199,7 +199,7 @@ def helper_files(file: Path) -> list[Path]:
     installed distributions and of this project (a checkout's own packages: their code is the code
     version). Imports a plugin makes only later, while decoding, are not seen."""
     folder = file.parent
-    skip = set(metadata.packages_distributions()) | {"retention", "protocol"}
+    skip = _installed_tops() | {"retention", "protocol"}
     files = {file}
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)

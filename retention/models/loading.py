@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -297,6 +298,12 @@ def weights_reference(name: str) -> tuple[str, str, str]:
     return ref.source, ref.source, _folder_revision(Path(ref.source))
 
 
+@functools.cache
+def _tiny_random_layout() -> CacheLayout:
+    """The layout of `tiny-random` (its config is fixed): built once per process, not once per arm."""
+    return layout_from_config(build_tiny_random()[0].config, "float32")
+
+
 def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayout:
     """The cache layout of model `name` without loading its weights: from the folder's config.json,
     the documented layout of an aliased model, a GGUF header, or the config of `tiny-random`."""
@@ -308,7 +315,7 @@ def model_layout(name: str, dtype: str | torch.dtype = "bfloat16") -> CacheLayou
             raise RetentionError(f"{name}: config.json is not valid JSON ({exc})") from None
         return layout_from_config(config, dtype)
     if ref.kind == "random":
-        return layout_from_config(build_tiny_random()[0].config, dtype)
+        return _tiny_random_layout().with_dtype(dtype)
     if ref.kind == "parts":
         return layout_from_config(dict(SPLIT_GGUFS[ref.source].geometry), dtype)
     if ref.kind == "gguf-file":

@@ -105,7 +105,7 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def built(runs, tmp_path_factory):
-    rep = report.build_report([runs], boot=4000, seed=1)
+    rep = report.build_report([runs], boot=1000, seed=1)
     out = tmp_path_factory.mktemp("report")
     written = report.write_report(rep, out)
     return rep, out, written
@@ -393,7 +393,7 @@ def _cli(args):
 
 
 def test_cli_report(runs, tmp_path):
-    res = _cli(["report", str(runs), "--out", str(tmp_path / "rep"), "--boot", "2000", "--seed", "3"])
+    res = _cli(["report", str(runs), "--out", str(tmp_path / "rep"), "--boot", "500", "--seed", "3"])
     assert res.exit_code == 0, res.output
     assert "alpha vs triattention" in res.output and "iso-cache" in res.output
     assert "Spearman" in res.output

@@ -2,18 +2,16 @@
 is graded on a marked final only (docs/grading.md, "An answer must answer", "Cut-off outputs")."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
+import os
+from types import SimpleNamespace
 
 import pytest
+from click.testing import CliRunner
 
 from protocol.grading import grade, grade_many
 from protocol.grading.restated import chooses, restates, settled, shape
 from protocol.grading.scan_restated import scan, targets
 from protocol.splits import problems_by_id
-
-ROOT = Path(__file__).resolve().parents[3]
 
 P742 = ("Evaluate\n\\[\\sin (\\arcsin 0.4 + \\arcsin 0.5) \\cdot \\sin (\\arcsin 0.5 - \\arcsin 0.4).\\]")
 EXPR742 = "\\sin (\\arcsin 0.4 + \\arcsin 0.5) \\cdot \\sin (\\arcsin 0.5 - \\arcsin 0.4)"
@@ -109,8 +107,16 @@ def test_a_cut_off_output_is_graded_on_a_marked_final_only():
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "retention.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=300)
+    """`retention grade` in this process (a subprocess would import torch again for each call)."""
+    from retention.cli import main
+
+    old = os.getcwd()
+    os.chdir(cwd)
+    try:
+        res = CliRunner().invoke(main, list(args))
+    finally:
+        os.chdir(old)
+    return SimpleNamespace(returncode=res.exit_code, stderr=res.stderr, output=res.output)
 
 
 def test_retention_grade_reads_problem_and_finish_reason(tmp_path):

@@ -1,7 +1,8 @@
 """The ISA-independent mode (`run --isa-portable`): float32 with the kernel libraries held to AVX2
 gives the records the host's own instruction set gives (two ISA settings, one host, two processes:
 the variables are read when the libraries load), and the records say which host and which setting
-made them (docs/reproducibility.md)."""
+made them (docs/reproducibility.md). The records' comparison needs two processes (tests/conftest.py
+puts it in the slow tier); the refusals happen before anything loads, so they run in this one."""
 
 import json
 import os
@@ -10,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from retention.cli import main
 from retention.host import PORTABLE_ENV, host_differences, portable_problem
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -25,6 +28,11 @@ def _run(out: Path, *extra, pinned: bool):
         env.update(PORTABLE_ENV)
     return subprocess.run([sys.executable, "-m", "retention.cli", "run", *ARGS, *extra, "--out", str(out)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def _invoke(out: Path, *extra):
+    """`retention run` in this process, under the environment the test has set."""
+    return CliRunner().invoke(main, ["run", *ARGS, *extra, "--out", str(out)])
 
 
 def _records(out: Path) -> list[dict]:
@@ -55,13 +63,16 @@ def test_the_portable_mode_refuses_what_it_cannot_pin(tmp_path, monkeypatch):
     for k, v in PORTABLE_ENV.items():
         monkeypatch.setenv(k, v)
     assert portable_problem("float32") is None
-    res = _run(tmp_path / "bf16", "--dtype", "bfloat16", "--isa-portable", pinned=True)
-    assert res.returncode != 0 and "Traceback" not in res.stderr
+    res = _invoke(tmp_path / "bf16", "--dtype", "bfloat16", "--isa-portable")
+    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
     assert res.stderr.strip().splitlines()[-1] == ("Error: --isa-portable needs --dtype float32 (bfloat16 kernels "
                                                     "differ by instruction set), got bfloat16")
-    res = _run(tmp_path / "unpinned", "--dtype", "float32", "--isa-portable", pinned=False)
-    assert res.returncode != 0 and len(res.stderr.strip().splitlines()) == 1
+    for k in PORTABLE_ENV:
+        monkeypatch.delenv(k)
+    res = _invoke(tmp_path / "unpinned", "--dtype", "float32", "--isa-portable")
+    assert res.exit_code != 0 and len(res.stderr.strip().splitlines()) == 1, res.output
     assert "set ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_CBWR=AVX2,STRICT" in res.stderr
+    assert not (tmp_path / "bf16").exists() and not (tmp_path / "unpinned").exists()
 
 
 @pytest.mark.parametrize("recorded,differs", [(None, ["host"]), ({"isa": ["avx2"]}, "isa")])
