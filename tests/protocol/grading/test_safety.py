@@ -216,11 +216,15 @@ def test_timeout_kills_and_replaces_the_worker(own_pool):
     gold = r"\begin{pmatrix}19&22\\43&50\end{pmatrix}"
     assert own_pool.run([(slow, gold)], timeout=30) == [("ok", True, None)]
     old_pid, restarts = own_pool.pids()[0], own_pool.restarts
-    # A pair this worker has not graded yet: a repeated one may come back from sympy's caches
-    # within the 2 ms deadline (seen under load in the full suite).
-    unseen = r"\begin{pmatrix}2&3\\5&7\end{pmatrix}\begin{pmatrix}11&13\\17&19\end{pmatrix}"
+    # A pair this worker has not graded yet, and a large one: a repeated pair may come back from
+    # sympy's caches within the 2 ms deadline, and so did an unseen 2x2 product once (seen under load);
+    # a 5x5 product takes about 30 ms to grade here even warm.
+    unseen = (r"\begin{pmatrix}5&7&11&13&17\\19&23&29&31&37\\41&43&47&53&59\\61&67&71&73&79\\83&89&97&101&103\end{pmatrix}"
+              r"\begin{pmatrix}173&179&181&191&193\\197&199&211&223&227\\229&233&239&241&251\\257&263&269&271&277\\281&283&293&307&311\end{pmatrix}")
+    product = (r"\begin{pmatrix}12881&13081&13489&13909&14203\\32823&33359&34403&35507&36261\\56527&57483&59271&61223&62501"
+               r"\\80971&82351&84931&87739&89593\\109005&110881&114333&118069&120579\end{pmatrix}")
     t0 = time.monotonic()
-    status, verdict, _ = own_pool.run([(unseen, r"\begin{pmatrix}73&83\\174&198\end{pmatrix}")], timeout=0.002)[0]
+    status, verdict, _ = own_pool.run([(unseen, product)], timeout=0.002)[0]
     assert status == "timeout" and verdict is None
     assert time.monotonic() - t0 < 1.0
     assert own_pool.restarts == restarts + 1 and own_pool.pids()[0] != old_pid
