@@ -118,7 +118,7 @@ SLOW_TESTS: frozenset[str] = frozenset({
     "retention/contract/test_checks.py::test_a_scorer_writing_into_its_view_is_named_and_leaves_the_cache_intact",
     "retention/contract/test_checks.py::test_cli_exit_status_and_share_figure",
     "retention/contract/test_checks.py::test_cli_params_reach_the_scorer_by_spec_or_by_name",
-    "retention/models/test_packing.py::test_packing_changes_no_record",
+    "retention/runtime/test_packing.py::test_packing_changes_no_record",
     "retention/runs/test_bench.py::test_bench_tiny",
     "retention/runtime/test_generate.py::test_full_matches_transformers_generate",
     "retention/runtime/test_generate.py::test_meter_bounds_each_accounting_mode",

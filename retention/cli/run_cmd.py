@@ -160,7 +160,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     if baseline:
         names.append(baseline)
     if budget is not None or budget_kib is not None:
-        from retention.scorers import get_scorer_class
+        from retention.policy.registry import get_scorer_class
 
         if not any(get_scorer_class(n).evicts for n in names):  # the budget would be ignored, with no word
             flag = "--budget" if budget is not None else "--budget-bytes"
@@ -250,7 +250,7 @@ def _mechanisms_for(name: str, mechanisms: dict, baseline: str | None) -> dict:
     """The non-scoring mechanisms of arm `name`: every listed scorer's arm gets them, except the
     `--baseline` arm, which stays at the defaults (the comparison it is the baseline of); a `full`
     arm keeps the decoding mechanism only (the others act at compactions, which it never has)."""
-    from retention.scorers import get_scorer_class
+    from retention.policy.registry import get_scorer_class
 
     from retention.runs.scorer_options import scorer_fields
 

@@ -48,11 +48,11 @@ from retention.models import load_model, resolve_model
 from retention.runs.arms import check_scorer_reads, validate_arm
 from retention.runs.runner import Arm, RunDir, run_arms
 from retention.runs.scorer_options import scorer_fields
-from retention.runtime.cadence import Cadence
+from retention.policy.cadence.base import Cadence
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
-from retention.runtime.policy import RetentionPolicy, cadence_for
-from retention.scorers import get_scorer_class, make_scorer
-from retention.scorers.calibration import calibrate
+from retention.policy.composite import RetentionPolicy, cadence_for
+from retention.policy.registry import get_scorer_class, make_scorer
+from retention.policy.scoring.calibration import calibrate
 
 BUDGET, INTERVAL, NEW_TOKENS = 20, 4, 24
 # Twelve prompts of 13..69 tokens (eight lengths), so rows are padded, compact at prefill or not, and

@@ -28,8 +28,8 @@ import torch
 from retention.contract.checks import CheckResult, _guard, _Kit, run_checks
 from retention.errors import RetentionError
 from retention.runs.scorer_options import scorer_fields
-from retention.runtime.mechanisms import FAMILIES, mechanism_class
-from retention.runtime.state import Quant, _quantise_keys, _quantise_values
+from retention.policy.registry import FAMILIES, mechanism_class
+from retention.policy.state.quant import Quant, _quantise_keys, _quantise_values
 
 DEFAULT_SCORER = "triattention"
 

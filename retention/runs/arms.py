@@ -24,14 +24,13 @@ from protocol.io import canonical_json
 from protocol.numbers import canonical_value
 from retention.runs.spec import ArmSpec, MechanismSpec
 from retention.runtime.adapter import provides
-from retention.runtime.cadence import REFERENCE_INTERVAL
-from retention.runtime.mechanisms import (FAMILIES, make_mechanism, mechanism_class, mechanism_fields,
-                                          mechanism_identity)
-from retention.runtime.policy import cadence_for
+from retention.policy.cadence.base import REFERENCE_INTERVAL
+from retention.policy.registry import FAMILIES, make_mechanism, mechanism_class, mechanism_fields, mechanism_identity
+from retention.policy.composite import cadence_for
 from retention.runtime.sampling import LEGACY_SAMPLER, SAMPLERS
-from retention.scorers import get_scorer_class, make_scorer, reads_refusal, scorer_identity
-from retention.scorers.calibration import default_stats_path
-from retention.scorers.calibration_latent import read_stats_file
+from retention.policy.registry import get_scorer_class, make_scorer, reads_refusal, scorer_identity
+from retention.policy.scoring.calibration import default_stats_path
+from retention.policy.scoring.calibration_latent import read_stats_file
 
 # What `--engine` (and a plan arm's "engine") may name: this project's batched engine (every model,
 # DeepSeek checkpoints on the reference MLA included), vLLM for non-evicting arms.

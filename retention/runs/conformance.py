@@ -39,13 +39,12 @@ from retention.runs.conformance_random import CHECKERS as RANDOM_CHECKERS
 from retention.runs.conformance_random import RANDOM
 from retention.runs.conformance_routing import ROUTINGS
 from retention.runtime.cache import CacheView
-from retention.scorers.base import topk_keep
-from retention.scorers.calibration import QueryStats
-from retention.scorers.h2o import H2O, attention_mass
-from retention.scorers.rkv import RKV, key_redundancy, rkv_scores
-from retention.scorers.snapkv import SnapKV, group_max_logits, pool_candidates, window_attention_mean, window_importance
-from retention.scorers.triattention import (OFFSETS, TriAttention, global_union_keep, head_scores, query_weights,
-                                            zscore_rows)
+from retention.policy.scoring.base import topk_keep
+from retention.policy.scoring.calibration import QueryStats
+from retention.policy.scoring.h2o import H2O, attention_mass
+from retention.policy.scoring.rkv import RKV, key_redundancy, rkv_scores
+from retention.policy.scoring.snapkv import (SnapKV, group_max_logits, pool_candidates, window_attention_mean, window_importance)
+from retention.policy.scoring.triattention import (OFFSETS, TriAttention, global_union_keep, head_scores, query_weights, zscore_rows)
 
 SCORERS = ("triattention_score", "snapkv_decode", "rkv", "h2o")
 # README tolerances (absolute unless noted).

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from retention.runtime.cache import CacheView, protected_positions
-from retention.runtime.policy import cadence_for
-from retention.scorers.random_pp import REFERENCE_WINDOW, RandomPP
+from retention.policy.composite import cadence_for
+from retention.policy.scoring.random_pp import REFERENCE_WINDOW, RandomPP
 
 if TYPE_CHECKING:  # the result type only: `conformance` imports this module
     from retention.runs.conformance import CaseResult

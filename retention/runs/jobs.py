@@ -16,7 +16,7 @@ from retention.runs.arms import MAX_BUDGET, _ARM_KEYS, validate_arm
 from retention.runs.engines.run import execute_with_engine
 from retention.runs.runner import Arm, run_arms
 from retention.runs.scale.merge import open_shard_run
-from retention.runtime.mechanisms import FAMILIES
+from retention.policy.registry import FAMILIES
 
 
 def budget_from_bytes(model: str, dtype: str, budget: int | None, budget_kib: float | None) -> int | None:

@@ -39,7 +39,7 @@ from retention.runs.scale.shard import shard_pairs, shard_size
 from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.guard import GuardRefusal
+from retention.policy.guard import GuardRefusal
 from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.runtime.trace import CacheTracer
 from retention.host import host_fingerprint
@@ -424,7 +424,7 @@ def run_arms(loaded, arms: list[Arm], problems, *, samples: int, base_seed: int,
         try:
             run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=S, fidelity=fidelity, max_prompt=longest,
                        on_finish=on_finish, on_step=on_step if progress else None)
-        except GuardRefusal:  # a plugin's broken output: its own line names it (`retention.runtime.guard`)
+        except GuardRefusal:  # a plugin's broken output: its own line names it (`retention.policy.guard`)
             raise
         except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
             plugins = arm.spec.plugins()

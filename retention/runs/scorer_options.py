@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from retention.errors import RetentionError
-from retention.runtime.mechanisms import FAMILIES, mechanism_class, mechanism_fields
-from retention.scorers import Scorer, get_scorer_class, is_builtin
+from retention.policy.registry import FAMILIES, mechanism_class, mechanism_fields
+from retention.policy.scoring.base import Scorer
+from retention.policy.registry import get_scorer_class, is_builtin
 
 # Shared option -> the scorer parameter it sets.
 SHARED = {"--lambda": "lam", "--radius": "radius", "--window": "window", "--stats": "stats"}
@@ -54,7 +55,7 @@ def _listed(scorer: str, names: list[str]) -> str:
         return scorer
     if scorer == Scorer.name:  # a plugin that names itself nothing inherits the base class's placeholder
         return scorer
-    by_name = [n for n in names if not is_builtin(n) and getattr(get_scorer_class(n), "name", None) == scorer]
+    by_name = [n for n in names if not is_builtin("scorer", n) and getattr(get_scorer_class(n), "name", None) == scorer]
     return by_name[0] if len(by_name) == 1 else scorer
 
 

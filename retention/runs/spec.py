@@ -20,11 +20,11 @@ import json
 from dataclasses import dataclass
 
 from protocol.io import canonical_json, config_hash  # config_hash: re-exported for the runs
-from retention.runtime.cadence import Cadence
-from retention.runtime.guard import GuardedPolicy
-from retention.runtime.mechanisms import FAMILIES, make_mechanism
-from retention.runtime.policy import RetentionPolicy
-from retention.scorers import make_scorer
+from retention.policy.cadence.base import Cadence
+from retention.policy.guard import GuardedPolicy
+from retention.policy.registry import FAMILIES, make_mechanism
+from retention.policy.composite import RetentionPolicy
+from retention.policy.registry import make_scorer
 
 NON_SCORING = tuple(FAMILIES)  # cadence, routing, state, decoding
 
@@ -106,7 +106,7 @@ class ArmSpec:
                 make_mechanism("decoding", self.decoding.name, self.decoding.kwargs),
                 self.config.get("budget_kib") if self.cadence.evicts else None)
         plugins = self.plugins()
-        if plugins:  # a plugin's outputs are checked at its first compactions (`retention.runtime.guard`)
+        if plugins:  # a plugin's outputs are checked at its first compactions (`retention.policy.guard`)
             return GuardedPolicy(*args, plugins=tuple(plugins))
         return RetentionPolicy(*args)
 

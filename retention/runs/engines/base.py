@@ -22,7 +22,7 @@ from retention.models import format_prompt, output_text
 from retention.runs.runner import derive_seed, make_record
 from retention.runs.scale.shard import shard_pairs
 from retention.runtime.meter import BudgetMeter
-from retention.scorers import get_scorer_class
+from retention.policy.registry import get_scorer_class
 
 
 @dataclass(frozen=True)

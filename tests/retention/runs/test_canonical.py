@@ -18,7 +18,7 @@ from retention.models.content import content_sha256
 from retention.plugins import class_identity, load_plugin
 from retention.runs.arms import validate_arm
 from retention.runs.identity import model_identity
-from retention.scorers import Scorer
+from retention.policy.scoring.base import Scorer
 
 
 def _hash(stats, scorer="alpha", params=None, **families):

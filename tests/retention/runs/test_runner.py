@@ -115,7 +115,7 @@ def test_records_are_graded_with_their_problem_text():
     record writer hands the grader the problem, whose options it reads."""
     from protocol.grading import grade
     from retention.runs.runner import make_record
-    from retention.runtime.cadence import Cadence
+    from retention.policy.cadence.base import Cadence
     from retention.runtime.meter import BudgetMeter
 
     problem = "Which shape is described by z = c? (A) Line (B) Circle (C) Plane (D) Sphere"

@@ -1,4 +1,4 @@
-"""The allocating routings, PyramidKV and AdaKV (retention.runtime.routing, .allocation), and the
+"""The allocating routings, PyramidKV and AdaKV (retention.policy.routing, .allocation), and the
 ragged rows of the cache they need (retention.runtime.cache): the allocation math, the per-layer
 and per-head attention mask, batch invariance, the trivial members, the refusals and a CLI run.
 (Conformance with kvpress's outputs: tests/retention/runs/test_conformance_routing.py.)"""
@@ -16,7 +16,7 @@ from retention.cli import main
 from retention.errors import RetentionError
 from retention.runs.arms import validate_arm
 from retention.runtime.adapter import ModelAdapter
-from retention.runtime.allocation import adakv_kept, cap_to_stored, pyramid_budgets, safeguard_size
+from retention.policy.routing.allocation import adakv_kept, cap_to_stored, pyramid_budgets, safeguard_size
 from retention.runtime.cache import Allocation, RetentionCache
 from retention.runtime.engine import Request, SamplingConfig, run_engine
 from retention.runtime.meter import BudgetMeter

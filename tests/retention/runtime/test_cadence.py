@@ -2,7 +2,7 @@
 
 import pytest
 
-from retention.runtime.cadence import Cadence, default_interval, nominal_budget
+from retention.policy.cadence.base import Cadence, default_interval, nominal_budget
 from retention.errors import RetentionError
 
 
@@ -44,7 +44,7 @@ def test_bad_cadence_refused(kwargs):
 
 
 def test_default_interval_works_in_every_accounting_mode_at_every_budget():
-    from retention.runtime.cadence import ACCOUNTING_MODES, largest_interval
+    from retention.policy.cadence.base import ACCOUNTING_MODES, largest_interval
 
     for accounting in ACCOUNTING_MODES:
         for floor in (1, 5, 13):

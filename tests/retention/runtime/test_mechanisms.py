@@ -14,12 +14,12 @@ from retention.contract.families import run_family_checks
 from retention.errors import RetentionError
 from retention.models import load_model
 from retention.runs.arms import validate_arm
-from retention.runtime.cadence import NewlineCadence
-from retention.runtime.decoding import LoopGuard
+from retention.policy.cadence.newline import NewlineCadence
+from retention.policy.decoding.loop_guard import LoopGuard
 from retention.models.loading import model_layout
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
-from retention.runtime.mechanisms import FAMILIES
-from retention.runtime.state import Quant, _quantise_keys, _quantise_values
+from retention.policy.registry import FAMILIES
+from retention.policy.state.quant import Quant, _quantise_keys, _quantise_values
 
 BASE = {"model": "tiny-random", "scorer": "streaming", "budget": 24}
 
@@ -207,7 +207,7 @@ def test_mechanism_plugins_from_a_file_run_and_are_identified(tmp_path):
     """A decoding plugin given as file.py:Class runs; its identity (source sha256) is in the
     configuration, and a changed file is refused against the registered identity."""
     plugin = tmp_path / "guard.py"
-    plugin.write_text("from dataclasses import dataclass\nfrom retention.runtime.decoding import Decoding\n\n"
+    plugin.write_text("from dataclasses import dataclass\nfrom retention.policy.decoding.base import Decoding\n\n"
                       "@dataclass\nclass Quiet(Decoding):\n    name = 'quiet'\n    ban: int = 3\n\n"
                       "    def adjust(self, logits, rows, histories):\n        out = logits.clone()\n"
                       "        out[:, self.ban] = float('-inf')\n        return out\n")
@@ -239,28 +239,28 @@ def test_every_builtin_mechanism_passes_its_checks(target, params):
 
 BROKEN = {
     # A state whose meter reports what its buffers do not hold.
-    "liar.py": ("from dataclasses import dataclass\nfrom retention.runtime.state import State\n\n@dataclass\n"
+    "liar.py": ("from dataclasses import dataclass\nfrom retention.policy.state.base import State\n\n@dataclass\n"
                 "class Liar(State):\n    name = 'liar'\n    def row_kib(self, cache, row, kib_per_token):\n"
                 "        return 0.5 * cache.lengths[row] * kib_per_token\n", "state", "Liar", "physical eviction"),
     # A decoding mechanism that claims a trivial member but changes the output under it.
-    "noisy.py": ("from dataclasses import dataclass\nfrom retention.runtime.decoding import Decoding\n\n@dataclass\n"
+    "noisy.py": ("from dataclasses import dataclass\nfrom retention.policy.decoding.base import Decoding\n\n@dataclass\n"
                  "class Noisy(Decoding):\n    name = 'noisy'\n    strength: float = 0.0\n    @classmethod\n"
                  "    def trivial(cls):\n        return {'strength': 0.0}\n    def adjust(self, logits, rows, histories):\n"
                  "        out = logits.clone()\n        out[:, 1] += 1e3\n        return out\n",
                  "decoding", "Noisy", "trivial member exact"),
     # A decoding mechanism whose output depends on the other rows of the batch.
-    "coupled.py": ("from dataclasses import dataclass\nfrom retention.runtime.decoding import Decoding\n\n@dataclass\n"
+    "coupled.py": ("from dataclasses import dataclass\nfrom retention.policy.decoding.base import Decoding\n\n@dataclass\n"
                    "class Coupled(Decoding):\n    name = 'coupled'\n    def adjust(self, logits, rows, histories):\n"
                    "        return logits + logits.mean(0, keepdim=True)[:, :1] * 0 + (len(rows) > 1) * logits.roll(1, -1)\n",
                    "decoding", "Coupled", "batch invariance"),
     # An allocating routing whose counts depend on the other rows of the view.
-    "pooled.py": ("from dataclasses import dataclass\nimport torch\nfrom retention.runtime.routing import AdaKV\n\n"
+    "pooled.py": ("from dataclasses import dataclass\nimport torch\nfrom retention.policy.routing.adakv import AdaKV\n\n"
                   "@dataclass\nclass Pooled(AdaKV):\n    name = 'pooled'\n    def allocate(self, scores, view, k):\n"
                   "        pooled = torch.nan_to_num(scores, posinf=0.0, neginf=0.0).mean(1, keepdim=True)\n"
                   "        return super().allocate(pooled.expand_as(scores), view, k)\n",
                   "routing", "Pooled", "batch invariance"),
     # An allocating routing that keeps one token more than the uniform mean in every row.
-    "greedy.py": ("from dataclasses import dataclass\nfrom retention.runtime.routing import AdaKV\n\n@dataclass\n"
+    "greedy.py": ("from dataclasses import dataclass\nfrom retention.policy.routing.adakv import AdaKV\n\n@dataclass\n"
                   "class Greedy(AdaKV):\n    name = 'greedy'\n    def allocate(self, scores, view, k):\n"
                   "        counts = super().allocate(scores, view, k).clone()\n        counts[0] += 1\n"
                   "        return counts\n", "routing", "Greedy", "kept count"),

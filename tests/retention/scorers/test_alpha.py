@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from retention.runtime.cadence import Cadence
-from retention.scorers.calibration import calibrate
+from retention.policy.cadence.base import Cadence
+from retention.policy.scoring.calibration import calibrate
 from retention.runtime.generate import SamplingConfig, generate
-from retention.runtime.policy import RetentionPolicy
-from retention.scorers import make_scorer, topk_keep
-from retention.scorers.alpha import facility_location_keep, token_signatures
+from retention.policy.composite import RetentionPolicy
+from retention.policy.registry import make_scorer
+from retention.policy.scoring.base import topk_keep
+from retention.policy.scoring.alpha import facility_location_keep, token_signatures
 
 L, B, G, N, D = 3, 2, 2, 11, 6
 

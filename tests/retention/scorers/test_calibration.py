@@ -7,16 +7,9 @@ import torch
 from click.testing import CliRunner
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from retention.scorers.calibration import (
-    QueryStats,
-    calibrate,
-    default_stats_path,
-    load_stats,
-    stats_name,
-    tokens_sha256,
-)
+from retention.policy.scoring.calibration import (QueryStats, calibrate, default_stats_path, load_stats, stats_name, tokens_sha256)
 from retention.errors import RetentionError
-from retention.scorers import make_scorer
+from retention.policy.registry import make_scorer
 
 SMALL = dict(vocab_size=97, hidden_size=24, intermediate_size=32, num_attention_heads=6, num_key_value_heads=2,
              head_dim=8, max_position_embeddings=256)

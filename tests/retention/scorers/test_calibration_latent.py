@@ -1,4 +1,4 @@
-"""Latent query statistics of MLA models (`retention.scorers.calibration_latent`, `retention calibrate`):
+"""Latent query statistics of MLA models (`retention.policy.scoring.calibration_latent`, `retention calibrate`):
 known values, the save/load round trip, one-line refusals of another model's or kind's file, the
 CLI on tiny-mla and its refusals, and the conventions (band pairings, the key norm's weight, the
 cached inverse RMS, YaRN's attention factor) checked against each model's own attention logit:
@@ -16,10 +16,10 @@ from retention.models.arch.configs import ArchConfig
 from retention.models.arch.deepseek import DeepseekReference
 from retention.models.arch.model import build_arch
 from retention.models.arch.modules import _heads, rope
-from retention.scorers.calibration import QueryStats, calibrate, load_stats, tokens_sha256
-from retention.scorers.calibration_latent import LatentStats, calibrate_latent, latent_model, load_latent_stats
+from retention.policy.scoring.calibration import QueryStats, calibrate, load_stats, tokens_sha256
+from retention.policy.scoring.calibration_latent import LatentStats, calibrate_latent, latent_model, load_latent_stats
 from retention.errors import RetentionError
-from retention.scorers.latent import latent_triattention_scores, rope_bands
+from retention.policy.scoring.latent import latent_triattention_scores, rope_bands
 
 IDS = torch.randint(0, 259, (150,), generator=torch.Generator().manual_seed(3))
 
@@ -104,7 +104,7 @@ def test_round_trip_and_refusals(tmp_path):
 def test_calibrate_cli_on_tiny_mla_and_the_default_location(tmp_path, monkeypatch):
     from retention.cli import main
     from retention.models import build_tiny_tokenizer
-    from retention.scorers import make_scorer
+    from retention.policy.registry import make_scorer
 
     monkeypatch.setenv("RETENTION_CACHE_DIR", str(tmp_path / "cache"))
     text = tmp_path / "calib.txt"

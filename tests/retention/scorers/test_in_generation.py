@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retention.runtime.cadence import Cadence
+from retention.policy.cadence.base import Cadence
 from retention.runtime.generate import SamplingConfig, _cache_kwarg, generate
-from retention.runtime.policy import RetentionPolicy
-from retention.scorers import available, make_scorer
+from retention.policy.composite import RetentionPolicy
+from retention.policy.registry import available, make_scorer
 
 PROMPT = list(range(3, 60))  # 57 tokens
 # name, extra parameters: every evicting scorer, and the per-layer variants of the query-free ones

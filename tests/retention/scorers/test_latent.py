@@ -1,4 +1,4 @@
-"""TriAttention scores and alpha's V-signatures computed on an MLA latent (`retention.scorers.latent`)
+"""TriAttention scores and alpha's V-signatures computed on an MLA latent (`retention.policy.scoring.latent`)
 against the same computations on materialised per-head keys `k_h = [W_UK_h c_j ; k_rope_j]` and
 values `v_h = W_UV_h c_j`, in float64.
 
@@ -17,9 +17,9 @@ import torch
 
 from retention.models.arch.model import build_arch
 from retention.models.arch.modules import _heads, rope
-from retention.scorers.alpha import token_signatures
-from retention.scorers.latent import latent_triattention_scores, latent_value_signatures
-from retention.scorers.triattention import OFFSETS
+from retention.policy.scoring.alpha import token_signatures
+from retention.policy.scoring.latent import latent_triattention_scores, latent_value_signatures
+from retention.policy.scoring.triattention import OFFSETS
 
 TOL = 1e-9
 THETA = 10_000.0

@@ -3,7 +3,7 @@
 On a `CacheView` of the agreed latent layout (per eviction group `g` = layer `g`: `L{g}.c_kv`
 `[B, 1, n, r]`, `L{g}.k_rope` `[B, 1, n, d_r]`, QK-norm MLA also `L{g}.inv_rms`; no per-head keys),
 built by hand from `tiny-mla` / `tiny-qk-norm-mla` caches in float64, the latent scores equal
-`retention.scorers.triattention`'s per-head TriAttention on materialised per-head keys with the
+`retention.policy.scoring.triattention`'s per-head TriAttention on materialised per-head keys with the
 equivalent per-head statistics, to 1e-9; alpha's V-signatures equal those of materialised values;
 alpha at lambda = 0 keeps exactly the top-k.
 
@@ -22,13 +22,13 @@ import torch
 
 from retention.models.arch.model import build_arch
 from retention.runtime.cache import CacheView
-from retention.scorers.calibration import QueryStats
-from retention.scorers.calibration_latent import calibrate_latent, latent_model
-from retention.scorers import make_scorer
-from retention.scorers.alpha import facility_location_keep
-from retention.scorers.frequency import zscore_group_max
-from retention.scorers.latent import latent_value_signatures
-from retention.scorers.triattention import head_scores, query_weights, rope_inverted_head_scores
+from retention.policy.scoring.calibration import QueryStats
+from retention.policy.scoring.calibration_latent import calibrate_latent, latent_model
+from retention.policy.registry import make_scorer
+from retention.policy.scoring.alpha import facility_location_keep
+from retention.policy.scoring.frequency import zscore_group_max
+from retention.policy.scoring.latent import latent_value_signatures
+from retention.policy.scoring.triattention import head_scores, query_weights, rope_inverted_head_scores
 
 TOL = 1e-9
 LENGTHS = (20, 24)  # prompt length of each row; a row's next query position

@@ -12,15 +12,10 @@ import pytest
 import torch
 
 from retention.runtime.cache import CacheView
-from retention.scorers.calibration import QueryStats
-from retention.scorers import make_scorer
-from retention.scorers.h2o import attention_mass
-from retention.scorers.triattention import (
-    OFFSETS,
-    head_scores,
-    query_weights,
-    rope_inverted_head_scores,
-)
+from retention.policy.scoring.calibration import QueryStats
+from retention.policy.registry import make_scorer
+from retention.policy.scoring.h2o import attention_mass
+from retention.policy.scoring.triattention import OFFSETS, head_scores, query_weights, rope_inverted_head_scores
 
 L, B, G, R, N, D = 3, 2, 2, 3, 13, 10  # layers, batch, KV heads, group, stored tokens, head dim
 HQ, F = G * R, D // 2
@@ -244,7 +239,7 @@ def test_rkv_matches_reference():
 def test_rkv_keeps_the_newest_of_near_duplicates():
     """Three near-identical keys: the newest (largest slot) is everybody's most recent duplicate, so
     its column loses their similarity and it scores as the least redundant of the three."""
-    from retention.scorers.rkv import key_redundancy
+    from retention.policy.scoring.rkv import key_redundancy
 
     gen = torch.Generator().manual_seed(11)
     keys = torch.randn(1, 1, 9, 16, generator=gen)
@@ -349,7 +344,7 @@ def test_h2o_accumulator_follows_compaction():
 def test_h2o_splits_the_budget_evenly_by_default():
     """Default H2O: k - k//2 newest tokens plus the k//2 heaviest of the rest (the reference split),
     whatever the accumulated mass of the recent ones."""
-    from retention.scorers.h2o import heavy_recent_keep, recent_mask
+    from retention.policy.scoring.h2o import heavy_recent_keep, recent_mask
 
     sc = make_scorer("h2o")
     assert sc.window is None and sc.min_recent() == 0

@@ -14,9 +14,9 @@ from retention.models.arch.configs import (
 )
 from retention.models.arch.model import ArchLM, build_arch, count_parameters
 from retention.errors import RetentionError
-from retention.runtime.generate import decode
+from retention.runs.teacher_forced import decode
 from retention.models.layouts import tokens_for_bytes
-from retention.scorers import make_scorer
+from retention.policy.registry import make_scorer
 
 SCORERS = ("full", "random", "streaming", "h2o", "snapkv")  # what a layout model provides for
 

@@ -50,8 +50,8 @@ class ReplayEngine:
 
     def complete(self, requests, sampling, eos_ids):
         from retention.runtime.generate import SamplingConfig, generate
-        from retention.runtime.policy import RetentionPolicy, cadence_for
-        from retention.scorers import make_scorer
+        from retention.policy.composite import RetentionPolicy, cadence_for
+        from retention.policy.registry import make_scorer
 
         ReplayEngine.calls.append((list(requests), dict(sampling), set(eos_ids)))
         for r in reversed(requests):  # any order: records must not depend on it

@@ -1,0 +1,1 @@
+"""The scoring family: `base.py` the interface (and the default), one module per built-in."""

@@ -1,0 +1,1 @@
+"""The state family: `base.py` the interface (and the default), one module per built-in."""
