@@ -102,7 +102,7 @@ class _Kit:
         self.budget = max(BUDGET, b + span // 2 + 1)
         self.new_tokens = NEW_TOKENS + max(0, span - INTERVAL)
         self.arm = validate_arm(dict(arm, budget=self.budget), as_named)
-        self.make = lambda: make_scorer(spec, **self.arm.scorer_params)  # noqa: E731
+        self.make = self.arm.build_scorer
         self.m64 = copy.deepcopy(self.loaded.model).to(torch.float64)
         self.sc0 = self.make()
         self.cadence = self.arm.cadence

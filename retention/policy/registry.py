@@ -185,7 +185,8 @@ class MechanismSpec:
 
     def build(self, **base):
         """A fresh instance (per-run state never leaks between runs)."""
-        return construct(self.family, self.name, self.cls, self.kwargs, **base)
+        kwargs = scorer_kwargs(self.cls, self.kwargs) if self.family == "scorer" else self.kwargs
+        return construct(self.family, self.name, self.cls, kwargs, **base)
 
     def record(self) -> dict:
         """The configuration's form: `{"name", "params"}` (+ `"plugin"`)."""
@@ -240,9 +241,13 @@ def scorer_kwargs(cls: type, params: dict) -> dict:
 
 
 def make_scorer(name: str, **params) -> Scorer:
-    """Instantiate scorer `name` with the parameters its dataclass declares; others are ignored."""
+    """Instantiate scorer `name` with the parameters its dataclass declares; others are ignored, but
+    `routing` (a kept-set structure as configurations write it, `STRUCTURE_PARAM`) sets the
+    structure of a scorer that offers several (`Scorer.structured`)."""
     cls = get_scorer_class(name)
-    return construct("scorer", name, cls, scorer_kwargs(cls, params))
+    scorer = construct("scorer", name, cls, scorer_kwargs(cls, params))
+    structure = params.get("routing") if cls.structures else None
+    return scorer if structure is None else scorer.structured(structure)
 
 
 def reads_refusal(name: str, reads, provides: frozenset[str], cache_name: str) -> str | None:
@@ -257,3 +262,61 @@ def reads_refusal(name: str, reads, provides: frozenset[str], cache_name: str) -
     return (f"{name} cannot score the {cache_name} cache: it reads {wanted}, and this model provides "
             f"{', '.join(sorted(provides))} ({', '.join(sorted(closest - provides))} missing); "
             f"use {', '.join(usable)}")
+
+
+# ------------------------------------------------------- the kept-set structure: a routing's choice
+
+@dataclass
+class _Spelling:
+    routing: str = "shared"
+
+
+# `scorer_params.routing`: how configurations written before routing was a family only name the
+# kept-set structure of a scorer that offers several (TriAttention, alpha). It is read as the routing
+# family's choice and written back in that place, so that those configurations keep their hashes.
+STRUCTURE_PARAM = dataclasses.fields(_Spelling)[0]
+
+
+def scorer_parameters(cls: type) -> dict[str, dataclasses.Field]:
+    """What a configuration may set of scorer class `cls`: its public init fields (`seed` aside) and,
+    for a scorer with a choice of kept-set structure, `routing` (`STRUCTURE_PARAM`)."""
+    out = {f.name: f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_") and f.name != "seed"}
+    if cls.structures:
+        out["routing"] = STRUCTURE_PARAM
+    return out
+
+
+def routing_given(scorer: str, cls: type, written, given: tuple[str, dict, dict | None]):
+    """The routing an arm names, `given` (name, params, registered identity), with the structure
+    `written` as the scorer's `routing` (None: not written) folded in; refused in one line where the
+    two disagree."""
+    if written is None or not cls.structures:
+        return given
+    if written not in cls.structures:
+        raise RetentionError(f"--routing must be one of {', '.join(cls.structures)}, got {written!r}")
+    name, params, _ = given
+    if name == FAMILIES["routing"].default and not params:
+        return written, {}, None
+    routing = mechanism_class("routing", name)
+    if routing.structure_for(cls) != written:
+        if routing.allocates:
+            raise RetentionError(f"routing {name!r} allocates per layer; {scorer}.routing={written} shares one kept set "
+                                 "over the layers (leave it unset)")
+        raise RetentionError(f"--routing {name} and {scorer}.routing={written} disagree; give one")
+    return given
+
+
+def canonical_routing(spec: MechanismSpec, cls: type, structure: str | None) -> MechanismSpec:
+    """The routing of an arm whose scorer (class `cls`) scores in `structure`, in canonical form: on a
+    scorer with a choice of structure, `native` for its default structure (`shared` is `native`
+    there) and the structure's own routing (`per-layer`) otherwise, where the routing given is a
+    structure or resolved to `native` (an allocation at a trivial setting keeps its per-layer sets)."""
+    if not cls.structures or not (spec.is_default or spec.cls.structure is not None):
+        return spec
+    name = FAMILIES["routing"].default if structure == cls.structures[0] else structure
+    return spec if spec.name == name else MechanismSpec.of("routing", name, {})
+
+
+def structure_recorded(spec: MechanismSpec) -> bool:
+    """Whether a routing is recorded as the scorer's `routing` rather than under the family's key."""
+    return spec.cls.structure is not None and not spec.cls.allocates

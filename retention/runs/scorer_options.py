@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from retention.errors import RetentionError
-from retention.policy.registry import FAMILIES, mechanism_class, mechanism_fields
+from retention.policy.registry import (FAMILIES, get_scorer_class, is_builtin, mechanism_class, mechanism_fields,
+                                       scorer_parameters)
 from retention.policy.scoring.base import Scorer
-from retention.policy.registry import get_scorer_class, is_builtin
 
 # Shared option -> the scorer parameter it sets.
 SHARED = {"--lambda": "lam", "--radius": "radius", "--window": "window", "--stats": "stats"}
@@ -31,9 +31,8 @@ LAMBDA_MEANING = {"alpha": "redundancy penalty weight", "rkv": "importance mixin
 
 
 def scorer_fields(name: str) -> dict[str, dataclasses.Field]:
-    """The settable parameters of scorer `name` (its public dataclass fields)."""
-    return {f.name: f for f in dataclasses.fields(get_scorer_class(name))
-            if f.init and not f.name.startswith("_") and f.name != "seed"}
+    """The settable parameters of scorer `name` (`retention.policy.registry.scorer_parameters`)."""
+    return scorer_parameters(get_scorer_class(name))
 
 
 def _convert(field: dataclasses.Field, raw: str, where: str):

@@ -36,7 +36,7 @@ therefore metered exactly like the fixed one, and the meter checks the bound on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from retention.errors import RetentionError

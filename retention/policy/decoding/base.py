@@ -22,13 +22,11 @@ Plugins subclass `Decoding` (entry-point group `retention.decodings`, `module:Cl
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from retention.errors import RetentionError
 from retention.policy.settings import trivial_setting
 
 

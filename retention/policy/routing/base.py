@@ -6,9 +6,12 @@ A routing sees the scorer before the run (`configure(scorer)`, which returns the
 (`keep(scorer, scores, view, k)`). The base class is `native`: the scorer's own structure, unchanged
 (today's behaviour, bit for bit): `keep` returns the scorer's own selection (`select`, the kept
 indices `[B, G, k]` shared by all layers or `[L, B, G, k]` per layer, as `Scorer.select` does).
-`shared` and `per-layer` are the two structures TriAttention and alpha offer (one kept set per KV
-head for all layers, or one per (layer, KV head)); they set the scorer's `routing` parameter and are
-refused for a scorer without one.
+`shared` and `per-layer` are the two kept-set structures TriAttention and alpha score in (one kept
+set per KV head for all layers, or one per (layer, KV head): `Scorer.structures`, the first its
+default, which `native` keeps); they set the scorer's structure (`structure_for`, `Scorer.structured`)
+and are refused for a scorer with one structure of its own. A configuration records the structure as
+the scorer's `routing` (`retention.policy.registry.config_scorer_params`: the form configurations
+were written in when it was a scorer parameter, so that their hashes stand).
 
 A routing that *allocates* implements `allocate(scores, view, k)`: how many tokens each (layer,
 row, KV head) keeps, `[L, B, G]`, summing over (layer, head) to `L x G x k` in every row (the same
@@ -34,7 +37,7 @@ that happens to be uniform decodes exactly what `native` decodes.
 
 Unlike kvpress (which compresses once, at prefill, and masks pruned AdaKV entries with a fake key),
 both act at every compaction of decode-time retention and physically evict. They need per-layer
-scores (`[L, B, G, n]`; a scorer with a `routing` parameter is set to `per-layer`) ranked by the
+scores (`[L, B, G, n]`; a scorer with a choice of structure is set to `per-layer`) ranked by the
 scorer's top-k order (a scorer with a selection of its own, such as alpha's facility location or
 H2O's heavy/recent split, is refused), a per-layer K/V cache (latent and shared-store layouts are
 refused), and the `full` state (the quantised and merged states count tokens per row, not per head).
@@ -45,17 +48,16 @@ one that allocates subclasses `Allocating` for the refusals above and implements
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from retention.errors import RetentionError
-from retention.policy.settings import trivial_setting
-from retention.policy.routing.allocation import (adakv_kept, cap_to_stored, keep_ranks, kept_by_counts, padded_indices, pyramid_budgets, safeguard_size)
-from retention.runtime.cache import Allocation
+from retention.policy.routing.allocation import keep_ranks, kept_by_counts, padded_indices
 from retention.policy.scoring.base import Scorer
+from retention.policy.settings import trivial_setting
+from retention.runtime.cache import Allocation
 
 
 @dataclass
@@ -63,20 +65,30 @@ class Routing:
     """Base class and the `native` routing: the scorer's own kept-set structure."""
 
     name: ClassVar[str] = "native"
-    # The value this routing gives a scorer's `routing` parameter (None: leave the scorer as it is).
+    # The kept-set structure this routing sets a scorer to (None: the scorer's default).
     structure: ClassVar[str | None] = None
     # Whether `allocate` gives (layer, KV head)s different counts (the arm then asks for per-layer
     # scores and refuses what cannot store ragged heads).
     allocates: ClassVar[bool] = False
 
+    @classmethod
+    def structure_for(cls, scorer) -> str | None:
+        """The kept-set structure a scorer (class or instance) scores in under this routing: one of
+        its `structures` (None: it has one of its own); refuse, in one line, one it cannot route."""
+        if cls.structure is None:
+            return scorer.structures[0] if scorer.structures else None
+        if cls.structure not in scorer.structures:
+            raise RetentionError(f"routing {cls.name!r} chooses a scorer's kept-set structure (triattention, alpha); "
+                                 f"scorer {scorer.name!r} has one of its own (use --routing native)")
+        return cls.structure
+
     def configure(self, scorer):
-        """The scorer this routing runs (refuse, in one line, one it cannot route)."""
-        if self.structure is None:
-            return scorer
-        if "routing" not in {f.name for f in dataclasses.fields(scorer)}:
-            raise RetentionError(f"routing {self.name!r} needs a scorer with a routing parameter (triattention, "
-                                 f"alpha); {type(scorer).name!r} has none (use --routing native)")
-        return dataclasses.replace(scorer, routing=self.structure)
+        """The scorer this routing runs: `scorer` itself (or whatever wraps it), set to `structure_for`'s
+        structure."""
+        structure = self.structure_for(scorer)
+        if structure is not None:
+            scorer.structured(structure)
+        return scorer
 
     def check(self, scorer, head_dims: tuple[int, int] | None) -> None:
         """Refuse, in one line, a scorer or a cache layout (`head_dims` None: latent or shared
@@ -132,6 +144,11 @@ class Allocating(Routing):
     """Base of the allocating routings: the refusals they share (module docstring)."""
 
     allocates: ClassVar[bool] = True
+
+    @classmethod
+    def structure_for(cls, scorer) -> str | None:
+        """An allocation needs one kept set per layer: `per-layer` for a scorer that offers it."""
+        return "per-layer" if "per-layer" in scorer.structures else None
 
     def check(self, scorer, head_dims) -> None:
         if head_dims is None:

@@ -9,7 +9,7 @@ or `[L, B, G, n, d]` with per-layer routing; about `1/L` of the values) is gathe
 kept indices as the cache at every compaction. So a token's signature never depends on which of its
 copies later evictions left behind, and old and new tokens are compared on the same footing.
 
-Greedy selection per KV head (and per layer with `routing="per-layer"`), vectorised over batch and
+Greedy selection per KV head (and per layer with `--routing per-layer`), vectorised over batch and
 heads. The selected set starts with the protected tokens (they enter first, in index order, and add
 their cosine rows like any pick); each further pick, up to `k` kept tokens, adds the candidate maximising
 
@@ -89,8 +89,8 @@ def facility_location_keep(scores: torch.Tensor, signatures: torch.Tensor, prote
 @dataclass
 class Alpha(TriAttention):
     """TriAttention scores with facility-location selection. Parameters: `lam` (redundancy weight,
-    default 0.5), `radius` (cosine below which no penalty applies, default 0), plus `stats` and
-    `routing` as for `triattention`. Protects nothing by default."""
+    default 0.5), `radius` (cosine below which no penalty applies, default 0), plus `stats` as for
+    `triattention`, and its two kept-set structures. Protects nothing by default."""
 
     name: ClassVar[str] = "alpha"
     batch_prefill: ClassVar[bool] = True  # its observe reads the values each row stored (`written_slots`)
@@ -108,7 +108,6 @@ class Alpha(TriAttention):
     EXTRA = "alpha_sig"
 
     def __post_init__(self):
-        super().__post_init__()
         if not (self.lam >= 0 and self.lam != float("inf")):
             raise RetentionError(f"--lambda must be a finite number >= 0, got {self.lam}")
         if not -1.0 <= self.radius <= 1.0:  # a cosine: outside [-1, 1] it silently means "never" or "always"

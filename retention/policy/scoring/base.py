@@ -91,6 +91,11 @@ class Scorer:
     # What the scorer reads: alternatives, each a set of `READS` kinds (any one satisfied suffices).
     reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"positions"}),)
     per_layer: ClassVar[bool] = False
+    # The kept-set structures this scorer can score in, its default first: `shared` (scores `[B, G,
+    # n]`, one kept set per KV head for all layers) and `per-layer` (`[L, B, G, n]`). The routing
+    # family chooses (`Routing.structure_for`, then `structured`); empty: one structure of its own,
+    # which `per_layer` says.
+    structures: ClassVar[tuple[str, ...]] = ()
     # Protected tokens a scorer wants by default (the CLI's --sink / --recent override them).
     default_sink: ClassVar[int] = 0
     default_recent: ClassVar[int] = 0
@@ -105,6 +110,15 @@ class Scorer:
     # may prefill prompts that start together in one right-padded forward (`retention.runtime.prefill`)
     # whose padding such a scorer never sees. False (the safe default): each prompt is prefilled alone.
     batch_prefill: ClassVar[bool] = False
+
+    def structured(self, structure: str) -> Scorer:
+        """This scorer, set to score in kept-set `structure` (one of `structures`), as the routing
+        family chose when the policy was built (a fresh scorer per run: it is set in place)."""
+        if structure not in self.structures:
+            offered = ", ".join(self.structures) or "one structure of its own"
+            raise RetentionError(f"scorer {self.name!r} scores in {offered}, not {structure!r}")
+        self._structure = structure
+        return self
 
     def reading(self) -> tuple[frozenset[str], ...]:
         """What this instance reads (`reads`, or fewer alternatives when a parameter fixes one)."""

@@ -19,10 +19,10 @@ with no RoPE inversion (the stored key already carries `exp(i w_f p_j)`, and the
 would carry `exp(i w_f (t+d))`). `rope_inverted_head_scores` computes the same score the long way
 (un-rotate keys to pre-RoPE, then the relative-phase formula); a test proves both equal.
 
-Aggregation (reference default, `routing="shared"`): z-score each `(l, h)` row over the candidate
+Aggregation (reference default, the `shared` structure): z-score each `(l, h)` row over the candidate
 tokens (the unprotected ones; population std clamped at 1e-6), max over the `r` query heads of
 each KV head's group, mean over layers -> `[B, G, n]`: one kept set per KV head shared by all
-layers. `routing="per-layer"` skips the layer mean -> `[L, B, G, n]`, one kept set per (layer, KV head).
+layers. The `per-layer` structure (`--routing per-layer`) skips the layer mean -> `[L, B, G, n]`, one kept set per (layer, KV head).
 
 On an MLA latent cache (the view holds `c_kv` / `k_rope` stores, no per-head keys) the score is
 derived in `docs/layouts.md` and computed by `retention.policy.scoring.latent`: per layer and query head
@@ -45,7 +45,6 @@ from typing import ClassVar
 
 import torch
 
-from retention.errors import RetentionError
 from retention.runtime.cache import CacheView
 from retention.policy.scoring.base import Scorer
 from retention.policy.scoring.calibration import QueryStats, load_stats, rotary_inv_freq
@@ -53,10 +52,10 @@ from retention.policy.scoring.calibration_latent import latent_model, load_laten
 from retention.policy.scoring.frequency import OFFSETS, STD_FLOOR, future_phase, zscore_group_max, zscore_rows
 from retention.policy.scoring.latent import LatentScoring, holds_latent
 
-__all__ = ["OFFSETS", "STD_FLOOR", "ROUTINGS", "TriAttention", "future_phase", "global_union_keep", "head_scores",
+__all__ = ["OFFSETS", "STD_FLOOR", "STRUCTURES", "TriAttention", "future_phase", "global_union_keep", "head_scores",
            "query_weights", "rope_inverted_head_scores", "zscore_group_max", "zscore_rows"]
 
-ROUTINGS = ("shared", "per-layer")
+STRUCTURES = ("shared", "per-layer")  # the kept-set structures it scores in, the default first
 
 
 def query_weights(qm: torch.Tensor, qa: torch.Tensor, inv_freq: torch.Tensor, t: int, kv_heads: int,
@@ -126,8 +125,9 @@ def global_union_keep(z: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Ten
 
 @dataclass
 class TriAttention(Scorer):
-    """Query-free top-k per KV head. Parameters: `stats` (statistics file; default: the model's
-    default location), `routing` (`shared` | `per-layer`). Protects nothing by default."""
+    """Query-free top-k per KV head. Parameter: `stats` (statistics file; default: the model's
+    default location). Scores in either kept-set structure, `shared` by default (the routing family
+    chooses: `--routing per-layer`). Protects nothing by default."""
 
     name: ClassVar[str] = "triattention"
     batch_prefill: ClassVar[bool] = True  # reads no query or attention of the forward
@@ -135,20 +135,18 @@ class TriAttention(Scorer):
     # Per-head post-RoPE keys, or an MLA latent (with the model's up-projections), and the statistics.
     reads: ClassVar[tuple[frozenset[str], ...]] = (frozenset({"keys", "calibration"}),
                                                   frozenset({"latent", "calibration"}))
+    structures: ClassVar[tuple[str, ...]] = STRUCTURES
 
     stats: str | None = None
-    routing: str = "shared"
+    # The kept-set structure the routing family set (`Scorer.structured`): not a parameter.
+    _structure: str = field(default="shared", init=False, repr=False)
     _stats: QueryStats | None = field(default=None, init=False, repr=False)
     _inv_freq: torch.Tensor | None = field(default=None, init=False, repr=False)
     _latent: LatentScoring | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self):
-        if self.routing not in ROUTINGS:
-            raise RetentionError(f"--routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
-
     @property
-    def per_layer(self) -> bool:  # an instance property: the routing option decides the score shape
-        return self.routing == "per-layer"
+    def per_layer(self) -> bool:  # an instance property: the routing family decides the score shape
+        return self._structure == "per-layer"
 
     def bind(self, stats: QueryStats, inv_freq: torch.Tensor) -> None:
         """Use these statistics and rotary frequencies `[F]` (what `attach` does with the model's)."""

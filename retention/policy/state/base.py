@@ -45,8 +45,7 @@ Plugins subclass `State` (entry-point group `retention.states`, `module:Class`, 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch

@@ -271,9 +271,10 @@ def test_combinations_that_cannot_work_are_refused_in_one_line(cfg, message, sta
 
 
 def test_triattention_follows_an_allocation_per_layer(stats_path):
-    """An allocation needs one kept set per layer: triattention's routing parameter is set to per-layer."""
+    """An allocation needs one kept set per layer: triattention scores per layer, recorded as its
+    configurations always wrote it (`scorer_params.routing`)."""
     spec = arm("pyramidkv", scorer="triattention", scorer_params={"stats": stats_path})
-    assert spec.scorer_params["routing"] == "per-layer"
+    assert spec.config["scorer_params"]["routing"] == "per-layer" and spec.build_scorer().per_layer
     assert spec.config["routing"] == {"name": "pyramidkv", "params": {"beta": 20.0}}
 
 

@@ -1,4 +1,4 @@
-"""The non-scoring families: cadence, routing, state, decoding (retention.runtime.*, retention.runs.spec).
+"""The non-scoring families: cadence, routing, state, decoding (retention.policy.*, retention.runs.spec).
 
 Each test holds an invariant of one mechanism on tiny random models; the contract kit
 (`retention check FAMILY:NAME`) is exercised on every built-in and on broken examples."""
@@ -70,7 +70,8 @@ def test_canonical_form_records_every_parameter():
     ({"state": {"name": "quant", "params": {"bits": 3}}}, "quant.bits must be 8 or 4"),
     ({"decoding": {"name": "loop-guard", "params": {"ngram": 1}}}, "loop-guard.ngram must be at least 2"),
     ({"cadence": {"name": "newline", "params": {"max_wait": -1}}}, "newline.max_wait must be >= 0"),
-    ({"routing": "shared"}, "routing 'shared' needs a scorer with a routing parameter"),
+    ({"routing": "shared"}, "routing 'shared' chooses a scorer's kept-set structure (triattention, alpha); "
+                            "scorer 'streaming' has one of its own"),
     ({"state": ["quant"]}, "state must be a name or"),
     ({"scorer": "full", "budget": None, "state": "merge"}, "--state merge act(s) at compactions"),
     ({"model": "tiny-mla", "state": "quant"}, "state 'quant' stores per-layer keys and values"),
@@ -81,10 +82,12 @@ def test_bad_mechanisms_are_refused_in_one_line(cfg, message):
     assert message in str(exc.value) and "\n" not in str(exc.value)
 
 
-def test_routing_structure_is_the_scorers_parameter():
-    """`--routing per-layer` is today's triattention/alpha routing parameter: same hash as setting it."""
+def test_a_structure_routing_needs_a_scorer_with_a_choice():
+    """`--routing per-layer` sets the kept-set structure of a scorer that offers two (triattention,
+    alpha: `tests/retention/runs/test_canonical.py` holds its spellings to one hash); a scorer with one
+    structure of its own is refused in one line."""
     base = dict(BASE, scorer="h2o")
-    with pytest.raises(RetentionError, match="routing 'per-layer' needs a scorer"):
+    with pytest.raises(RetentionError, match="routing 'per-layer' chooses a scorer's kept-set structure"):
         validate_arm(dict(base, routing="per-layer"))
 
 

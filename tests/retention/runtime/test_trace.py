@@ -242,7 +242,7 @@ SIZE_BOUNDS = {"shared": 5_000, "per-layer": 100_000}
 def test_trace_of_a_long_generation_stays_small(deep, tmp_path, routing):
     model, stats = deep
     path = str(stats.save(tmp_path / "deep.safetensors"))
-    sc = make_scorer("triattention", stats=path, routing=routing)
+    sc = make_scorer("triattention", stats=path).structured(routing)
     pol = RetentionPolicy(sc, cadence_for(sc, 128))
     pol.tracer = CacheTracer()
     out = []

@@ -48,7 +48,7 @@ def test_signature_follows_its_token_through_any_compactions(routing):
     from retention.runtime.cache import RetentionCache
 
     gen = torch.Generator().manual_seed(9)
-    sc = make_scorer("alpha", routing=routing)
+    sc = make_scorer("alpha").structured(routing)
     cache = RetentionCache(L)
     written = {}  # (b, position) -> signature at write time
     nxt = 0
@@ -111,7 +111,7 @@ class SignatureCheckPolicy(RetentionPolicy):
 
 @pytest.mark.parametrize("routing", ["shared", "per-layer"])
 def test_signature_invariant_during_generation(tiny, tiny_stats, routing):
-    sc = make_scorer("alpha", stats=str(tiny_stats), routing=routing, lam=1.0)
+    sc = make_scorer("alpha", stats=str(tiny_stats), lam=1.0).structured(routing)
     pol = SignatureCheckPolicy(sc, Cadence(24, 8, "mean"))
     generate(tiny.model, list(range(3, 40)), pol, SamplingConfig(max_new_tokens=30, ignore_eos=True), set(), 1.0)
     assert pol.checked >= 3 and pol.diverged  # heads kept different tokens, so the old method would drift
@@ -211,8 +211,8 @@ def test_alpha_validates_parameters():
 
     with pytest.raises(RetentionError, match="lambda"):
         make_scorer("alpha", lam=-0.1)
-    with pytest.raises(RetentionError, match="routing"):
-        make_scorer("alpha", routing="sideways")
+    with pytest.raises(RetentionError, match="sideways"):
+        make_scorer("alpha").structured("sideways")
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,7 +236,7 @@ class SnapshotPolicy(RetentionPolicy):
 def run_pair(model, prompt, stats_path, budget, interval, n_new, routing="shared"):
     out = {}
     for name, extra in (("triattention", {}), ("alpha", {"lam": 0.0})):
-        sc = make_scorer(name, stats=str(stats_path), routing=routing, **extra)
+        sc = make_scorer(name, stats=str(stats_path), **extra).structured(routing)
         pol = SnapshotPolicy(sc, Cadence(budget, interval, "mean"))
         g = generate(model, prompt, pol, SamplingConfig(max_new_tokens=n_new, ignore_eos=True), set(), 1.0,
                      keep_logits=True)

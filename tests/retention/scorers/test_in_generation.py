@@ -176,7 +176,8 @@ def test_cli_configuration_of_new_scorers(tmp_path):
         assert spec.cadence.recent == 4 and spec.scorer_params["window"] == 4
     spec = build_arm_config(base, "alpha", options)
     params, config = spec.scorer_params, spec.config
-    assert params == {"lam": 0.3, "radius": 0.0, "routing": "per-layer", "stats": str(stats.resolve())}
+    assert params == {"lam": 0.3, "radius": 0.0, "stats": str(stats.resolve())}
+    assert config["scorer_params"]["routing"] == "per-layer" and spec.routing.name == "per-layer"
     assert spec.cadence.recent == 0
     assert config["stats_sha256"] == hashlib.sha256(stats.read_bytes()).hexdigest()
     params = build_arm_config(base, "rkv", options).scorer_params

@@ -79,8 +79,8 @@ def setup(request):
     return model, latent_model(model), stats
 
 
-def _bound(name: str, model, latent, stats, **params):
-    scorer = make_scorer(name, **params)
+def _bound(name: str, model, latent, stats, structure: str = "shared", **params):
+    scorer = make_scorer(name, **params).structured(structure)
     scorer.bind_latent(stats, latent)
     return scorer
 
@@ -165,10 +165,10 @@ def test_per_layer_routing_on_a_latent(setup):
     model, latent, stats = setup
     view = latent_view(model)
     shared = _bound("triattention", model, latent, stats).score(view)
-    per_layer = _bound("triattention", model, latent, stats, routing="per-layer").score(view)
+    per_layer = _bound("triattention", model, latent, stats, "per-layer").score(view)
     assert per_layer.shape == (model.config.layers, 2, 1, N)
     torch.testing.assert_close(per_layer.mean(0), shared, rtol=0, atol=1e-12)
-    keep = _bound("triattention", model, latent, stats, routing="per-layer").select(per_layer, view, 6)
+    keep = _bound("triattention", model, latent, stats, "per-layer").select(per_layer, view, 6)
     assert keep.shape == (model.config.layers, 2, 1, 6)
     assert bool(keep[..., 0].eq(0).all())  # the protected sink is kept in every layer
 
@@ -192,7 +192,7 @@ def test_alpha_writes_latent_signatures_that_follow_compactions(setup, routing):
     time they were written, though other layers dropped those tokens' latents."""
     model, latent, stats = setup
     L = model.config.layers
-    alpha = _bound("alpha", model, latent, stats, routing=routing)
+    alpha = _bound("alpha", model, latent, stats, routing)
     ids = torch.randint(0, 259, (1, 18), generator=torch.Generator().manual_seed(2))
     cache = model.new_cache()
     with torch.no_grad():

@@ -95,7 +95,7 @@ def ref_tri_scores(view, stats, per_layer):
 def test_triattention_matches_reference(routing):
     view = make_view(seed=0, same_layers=(routing == "shared"), protect_first=200, recent=2)
     stats = make_stats()
-    sc = make_scorer("triattention", routing=routing)
+    sc = make_scorer("triattention").structured(routing)
     sc.bind(stats, stats.inv_freq)
     got = sc.score(view)
     want = ref_tri_scores(view, stats, per_layer=(routing == "per-layer"))
