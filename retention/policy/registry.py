@@ -124,11 +124,12 @@ def mechanism_identity(fam: str, name: str, cls: type | None = None) -> dict | N
     return class_identity(cls or mechanism_class(fam, name), name)
 
 
-def construct(fam: str, name: str, cls: type, params: dict, **base):
+def construct(fam: str, name: str, cls: type, params: dict, builtin: bool | None = None, **base):
     """An instance of `cls` (mechanism `name`) with `params` (validated by its constructor); `base`:
-    a cadence's run-configuration fields (budget, interval, ...). A plugin's failure is one line."""
+    a cadence's run-configuration fields (budget, interval, ...); builtin: whether `name` is a
+    built-in (None: asked of the family). A plugin's failure is one line."""
     if fam == "scorer":  # a built-in scorer raises as it is; a plugin's failure is one line naming it
-        if is_builtin(fam, name):
+        if is_builtin(fam, name) if builtin is None else builtin:
             return cls(**base, **params)
         try:
             return cls(**base, **params)
@@ -186,7 +187,7 @@ class MechanismSpec:
     def build(self, **base):
         """A fresh instance (per-run state never leaks between runs)."""
         kwargs = scorer_kwargs(self.cls, self.kwargs) if self.family == "scorer" else self.kwargs
-        return construct(self.family, self.name, self.cls, kwargs, **base)
+        return construct(self.family, self.name, self.cls, kwargs, self.plugin is None, **base)
 
     def record(self) -> dict:
         """The configuration's form: `{"name", "params"}` (+ `"plugin"`)."""

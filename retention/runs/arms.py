@@ -67,7 +67,8 @@ def _build(base: dict, scorer: str, options: dict, mechanisms: dict | None, head
     routing_name = given["routing"][0]
     structure = mechanism_class("routing", routing_name).structure_for(cls)
     params = typed_params(cls, params, scorer)
-    scorer_obj = construct("scorer", scorer, cls, scorer_kwargs(cls, params))  # validated now, not mid-run
+    identity = scorer_identity(scorer, cls)
+    scorer_obj = construct("scorer", scorer, cls, scorer_kwargs(cls, params), identity is None)  # validated now
     if structure is not None:
         scorer_obj.structured(structure)
     unset = set(getattr(cls, "unrecorded_when_unset", ()))  # newer parameters: recorded once set
@@ -99,7 +100,6 @@ def _build(base: dict, scorer: str, options: dict, mechanisms: dict | None, head
     cadence = cadence_for(scorer_obj, budget, base["interval"], base["accounting"], base["sink"], base["recent"],
                           protect_prompt=bool(base.get("protect_prompt")), kind=cspec.cls,
                           params=cspec.kwargs, prompt_counted=counted)
-    identity = scorer_identity(scorer, cls)
     if identity is not None:  # a plugin: its code is part of what the arm is
         extra["scorer_plugin"] = identity
     # The configuration (hashed: run id, resume, labels, baseline matching) names the statistics by
@@ -159,14 +159,14 @@ def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | Non
         raise RetentionError(f"{fam} {name!r} has no parameter(s) {unknown}; it takes {sorted(fields) or 'none'}")
     params = typed_params(cls, params, name)
     build = {"budget": None, "interval": 1} if fam == "cadence" else {}  # a cadence is built at its budget later
-    obj = construct(fam, name, cls, params, **build)
     identity = mechanism_identity(fam, name, cls)
+    obj = construct(fam, name, cls, params, identity is None, **build)
     check_registered(registered, identity, fam)
     rec = obj  # checked as given (its refusals stand), recorded as what it behaves as
     if name != FAMILIES[fam].default and not as_named and is_trivial(obj):  # the cell of the default it behaves as
         name = FAMILIES[fam].default
         cls = FAMILIES[fam].builtins[name]
-        fields, rec, identity = class_fields(fam, cls), construct(fam, name, cls, {}, **build), None
+        fields, rec, identity = class_fields(fam, cls), construct(fam, name, cls, {}, True, **build), None
     resolved = canonical_values({k: getattr(rec, k) for k in sorted(fields)}, name)
     return MechanismSpec.of(fam, name, resolved, identity, cls), obj
 
