@@ -77,7 +77,7 @@ SLOW_MODULES: frozenset[str] = frozenset({
     "retention/models/arch/test_layout_engine.py",
     "retention/models/arch/test_run.py",
     "retention/runs/engines/test_vllm.py",
-    "retention/runs/scale/test_merge.py",
+    "retention/runs/test_merge.py",
     "retention/runs/test_aime_run.py",
     "retention/runs/test_engine_bench.py",
     "retention/runs/test_reproduce.py",

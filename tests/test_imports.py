@@ -203,6 +203,15 @@ def test_no_arrow_back_up_between_packages():
     assert both == []
 
 
+def test_scale_out_sits_above_the_runs_it_launches():
+    """`retention/runs/scale/` (the launchers) imports the runs' modules; none of them imports it back
+    (a run's shards and their merge are the runs' own: `retention.runs.shard`, `retention.runs.merge`)."""
+    graph = import_graph()
+    back = sorted((m, d) for m, deps in graph.items() if m.startswith("retention.runs") and not m.startswith("retention.runs.scale")
+                  for d in deps if d.startswith("retention.runs.scale"))
+    assert back == []
+
+
 def test_the_runtime_imports_nothing_above_it():
     """The engine, cache and generation code type against `retention.runtime.protocol.StepPolicy`: no
     module of `retention/runtime/` imports the mechanisms, the scorers' public face or the models."""

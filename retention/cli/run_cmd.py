@@ -151,7 +151,7 @@ def run_command(model, scorers, baseline, budget, budget_kib, interval, accounti
     if split == "confirm":
         raise RetentionError("the confirm split is reachable only through a pre-registered plan: "
                              "`retention preregister` then `retention confirm --plan PLAN.json`")
-    from retention.runs.scale.shard import parse_shard
+    from retention.runs.shard import parse_shard
 
     shard = parse_shard(shard_text)
     names = _scorer_list(scorers)

@@ -10,14 +10,11 @@ valid. The checks run through `retention.runs.conformance.check_case` like the s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from retention.policy.routing.allocation import (adakv_kept, keep_ranks, kept_by_counts, padded_indices, pyramid_budgets, safeguard_size)
-
-if TYPE_CHECKING:  # the result type only: `conformance` imports this module
-    from retention.runs.conformance import CaseResult
+from retention.policy.routing.allocation import (adakv_kept, keep_ranks, kept_by_counts, padded_indices, pyramid_budgets,
+                                                 safeguard_size)
+from retention.runs.conformance_case import CaseResult
 
 ROUTINGS = ("pyramidkv", "adakv")
 

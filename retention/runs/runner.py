@@ -35,7 +35,7 @@ from retention import __version__
 from retention.errors import RetentionError
 from retention.models import format_prompt, output_text
 from retention.plugins import differing_keys, loaded_outside_since, refuse_other_code, stable_identity
-from retention.runs.scale.shard import shard_pairs, shard_size
+from retention.runs.shard import shard_pairs, shard_size
 from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
 from retention.runtime.engine import Request, SamplingConfig, run_engine

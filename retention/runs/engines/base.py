@@ -20,7 +20,7 @@ from protocol import grading
 from retention.errors import RetentionError
 from retention.models import format_prompt, output_text
 from retention.runs.runner import derive_seed, make_record
-from retention.runs.scale.shard import shard_pairs
+from retention.runs.shard import shard_pairs
 from retention.runtime.meter import BudgetMeter
 from retention.policy.registry import get_scorer_class
 

@@ -15,7 +15,7 @@ from retention.models.weights_cache import _read_marker, cache_root
 from retention.runs.engines import engine_factory
 from retention.runs.engines.base import refuse_evicting, run_engine_arms
 from retention.runs.runner import Arm
-from retention.runs.scale.merge import open_shard_run
+from retention.runs.merge import open_shard_run
 
 
 def resolve_weights(name: str) -> tuple[str, str, str]:

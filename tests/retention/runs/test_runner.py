@@ -10,7 +10,7 @@ from protocol.errors import ProtocolError
 from retention.errors import RetentionError
 from retention.runs.arms import validate_arm
 from retention.runs.runner import Arm, RunDir, count_pending
-from retention.runs.scale.shard import shard_pairs
+from retention.runs.shard import shard_pairs
 
 CONFIG = {"model": "tiny-random", "scorer": "streaming", "budget": 40, "samples": 2}
 

@@ -30,7 +30,7 @@ from protocol.report import find_run_dirs
 from protocol.splits import manifest_sha256, run_problems
 from retention.errors import RetentionError
 from retention.runs.runner import code_version, open_run, run_id_for
-from retention.runs.scale.shard import RULE, Shard, shard_of, shard_pairs, write_sidecar
+from retention.runs.shard import RULE, Shard, shard_of, shard_pairs, write_sidecar
 
 
 @dataclass

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from retention.cli import main
 from retention.errors import RetentionError
-from retention.runs.scale.shard import Shard, parse_shard, shard_pairs
+from retention.runs.shard import Shard, parse_shard, shard_pairs
 
 
 @settings(max_examples=200, deadline=None)
