@@ -168,7 +168,7 @@ def test_position_statistic_scorers_are_refused(name):
     from retention.runs.arms import validate_arm
 
     with pytest.raises(RetentionError, match=r"tiny-cla cache: it reads .*latent.* provides attention, positions \(calibration, .*missing\)"):
-        validate_arm({"model": "tiny-cla", "scorer": name, "budget": 16})  # tiny-mla: tests/retention/scorers/test_latent_run.py
+        validate_arm({"model": "tiny-cla", "scorer": name, "budget": 16})  # tiny-mla: tests/retention/policy/scoring/test_latent_run.py
 
 
 def test_budget_bytes_matches_memory_across_layouts():
