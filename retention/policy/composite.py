@@ -1,12 +1,13 @@
 """A retention policy = five mechanisms, one per intervention family of the design space:
 
-    scoring   which tokens are kept                 `Scorer.score` / `select`   (retention.scorers)
-    cadence   when a compaction happens             `Cadence.due`, the bound on b (runtime.cadence)
-    routing   which kept set each layer follows,    `Routing.configure/keep`    (runtime.routing)
+    scoring   which tokens are kept                 `Scorer.score` / `select`   (policy.scoring)
+    cadence   when a compaction happens             `Cadence.due`, the bound on b (policy.cadence)
+    routing   which kept set each layer follows,    `Routing.configure/keep`    (policy.routing)
               and how many (an allocation)
     state     what a kept token is stored as        `State.before/after_compaction`, `row_kib`
     decoding  how generation behaves on the cache   `Decoding.adjust` on each step's logits
 
+It is what the runtime's engine runs (`retention.runtime.protocol.StepPolicy`, which it implements).
 The generation loop calls `after_forward` after each forward (the scorer observes, the cadence
 says which rows are due, the routing selects with the scorer's scores, the state acts around the
 gather), `adjust` on the logits before sampling, `row_kib` for the meter and `reset_slot` when a slot

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retention.policy.decoding.base import Decoding
+from retention.policy.decoding import Decoding
 
 
 @dataclass

@@ -10,8 +10,8 @@ indices `[B, G, k]` shared by all layers or `[L, B, G, k]` per layer, as `Scorer
 set per KV head for all layers, or one per (layer, KV head): `Scorer.structures`, the first its
 default, which `native` keeps); they set the scorer's structure (`structure_for`, `Scorer.structured`)
 and are refused for a scorer with one structure of its own. A configuration records the structure as
-the scorer's `routing` (`retention.policy.registry.config_scorer_params`: the form configurations
-were written in when it was a scorer parameter, so that their hashes stand).
+the scorer's `routing` (`retention.policy.registry.routing_given`, `canonical_routing`: the form
+configurations were written in when it was a scorer parameter, so that their hashes stand).
 
 A routing that *allocates* implements `allocate(scores, view, k)`: how many tokens each (layer,
 row, KV head) keeps, `[L, B, G]`, summing over (layer, head) to `L x G x k` in every row (the same

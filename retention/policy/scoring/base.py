@@ -1,5 +1,5 @@
 """The scorer interface (the public one: built-in scorers and plugins implement the same) and the
-shared top-k selector. Everything here is exported from `retention.scorers`.
+shared top-k selector. A plugin imports it as `from retention.scorers import CacheView, Scorer`.
 
 Shapes: `L` layers, `B` rows of a view (sequences due for compaction now), `G` KV heads, `n` cached
 tokens per row (padded to the longest row of the view), `d` head dimension, `k` tokens to keep.
@@ -43,7 +43,7 @@ only on that row and its own slot's state), deterministic given the per-sequence
 (`reset_slot`), and no host reads in `observe`.
 
 Adding a scorer: a built-in is one module in this package whose class sets `name`, listed in
-`retention.policy.registry.SCORING` (name -> module, class); a plugin lives in your own code and is named `package.module:Class`, `path/to/file.py:Class` or by an entry point of group
+`retention.policy.registry.SCORING` (name -> class); a plugin lives in your own code and is named `package.module:Class`, `path/to/file.py:Class` or by an entry point of group
 `retention.scorers` (`retention.plugins`, docs/plugins.md).
 """
 
