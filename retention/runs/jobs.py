@@ -13,7 +13,7 @@ from retention.models import load_model, model_layout
 from retention.models.arch.deepseek import on_reference_mla
 from retention.models.layouts import tokens_for_bytes
 from retention.runs.arms import MAX_BUDGET, _ARM_KEYS, validate_arm
-from retention.runs.engines.run import execute_with_engine
+from retention.runs.engine_runs import execute_with_engine
 from retention.runs.runner import Arm, run_arms
 from retention.runs.merge import open_shard_run
 from retention.policy.registry import FAMILIES

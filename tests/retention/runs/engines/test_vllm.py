@@ -183,7 +183,7 @@ def test_engine_environment_without_parts_loads_the_converted_split_model(tmp_pa
     """vLLM's own environment (.venv-vllm) lacks the weight packages of a split GGUF model: the
     engine then loads the folder this project's environment converted, named as that one names it,
     and only when the folder's marker carries the pinned GGUF sha256."""
-    from retention.runs.engines.run import resolve_weights
+    from retention.runs.engine_runs import resolve_weights
     from retention.errors import RetentionError
     from retention.models import SPLIT_GGUFS, SplitGGUF
     from retention.models import aliases as aliases_module
