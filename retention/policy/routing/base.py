@@ -8,7 +8,7 @@ A routing sees the scorer before the run (`configure(scorer)`, which returns the
 indices `[B, G, k]` shared by all layers or `[L, B, G, k]` per layer, as `Scorer.select` does).
 `shared` and `per-layer` are the two kept-set structures TriAttention and alpha score in (one kept
 set per KV head for all layers, or one per (layer, KV head): `Scorer.structures`, the first its
-default, which `native` keeps); they set the scorer's structure (`structure_for`, `Scorer.structured`)
+default, which `native` keeps); they set the scorer's structure (`chooses`, `Scorer.structured`)
 and are refused for a scorer with one structure of its own. A configuration records the structure as
 the scorer's `routing` (`retention.policy.registry.routing_given`, `canonical_routing`: the form
 configurations were written in when it was a scorer parameter, so that their hashes stand).
@@ -72,20 +72,30 @@ class Routing:
     allocates: ClassVar[bool] = False
 
     @classmethod
-    def structure_for(cls, scorer) -> str | None:
-        """The kept-set structure a scorer (class or instance) scores in under this routing: one of
-        its `structures` (None: it has one of its own); refuse, in one line, one it cannot route."""
+    def chooses(cls, scorer) -> str | None:
+        """The kept-set structure this routing sets a scorer (class or instance) to, one of its
+        `structures`; None: it leaves the scorer's own (`native`). Refuse, in one line, a scorer it
+        cannot route."""
         if cls.structure is None:
-            return scorer.structures[0] if scorer.structures else None
+            return None
         if cls.structure not in scorer.structures:
             raise RetentionError(f"routing {cls.name!r} chooses a scorer's kept-set structure (triattention, alpha); "
                                  f"scorer {scorer.name!r} has one of its own (use --routing native)")
         return cls.structure
 
+    @classmethod
+    def structure_for(cls, scorer) -> str | None:
+        """The structure a fresh scorer scores in under this routing: the one it chooses, else the
+        scorer's default (the first of its `structures`; None: it has one of its own)."""
+        chosen = cls.chooses(scorer)
+        if chosen is not None:
+            return chosen
+        return scorer.structures[0] if scorer.structures else None
+
     def configure(self, scorer):
-        """The scorer this routing runs: `scorer` itself (or whatever wraps it), set to `structure_for`'s
-        structure."""
-        structure = self.structure_for(scorer)
+        """The scorer this routing runs: `scorer` itself (or whatever wraps it), set to the structure
+        this routing chooses (`native` leaves it as it is)."""
+        structure = self.chooses(scorer)
         if structure is not None:
             scorer.structured(structure)
         return scorer
@@ -146,7 +156,7 @@ class Allocating(Routing):
     allocates: ClassVar[bool] = True
 
     @classmethod
-    def structure_for(cls, scorer) -> str | None:
+    def chooses(cls, scorer) -> str | None:
         """An allocation needs one kept set per layer: `per-layer` for a scorer that offers it."""
         return "per-layer" if "per-layer" in scorer.structures else None
 

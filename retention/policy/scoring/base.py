@@ -93,7 +93,7 @@ class Scorer:
     per_layer: ClassVar[bool] = False
     # The kept-set structures this scorer can score in, its default first: `shared` (scores `[B, G,
     # n]`, one kept set per KV head for all layers) and `per-layer` (`[L, B, G, n]`). The routing
-    # family chooses (`Routing.structure_for`, then `structured`); empty: one structure of its own,
+    # family chooses (`Routing.chooses`, then `structured`); empty: one structure of its own,
     # which `per_layer` says.
     structures: ClassVar[tuple[str, ...]] = ()
     # Protected tokens a scorer wants by default (the CLI's --sink / --recent override them).
