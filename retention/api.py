@@ -30,7 +30,8 @@ from retention.runs.jobs import execute
 from retention.runs.settings import Budget, RunSettings
 from retention.runtime.sampling import DEFAULT_SAMPLER
 from retention.runtime.trace import CacheTrace
-from retention.scorers import Scorer, get_scorer_class, is_builtin
+from retention.policy.scoring.base import Scorer
+from retention.policy.registry import get_scorer_class, is_builtin
 
 
 def _scorer_arm(scorer, params: dict | None) -> tuple[str, dict]:
@@ -44,7 +45,7 @@ def _scorer_arm(scorer, params: dict | None) -> tuple[str, dict]:
         raise RetentionError("give parameters on the scorer instance, not also as params")
     cls = type(scorer)
     name = getattr(cls, "name", None)
-    if not (isinstance(name, str) and is_builtin(name) and _builtin_class(name) is cls):
+    if not (isinstance(name, str) and is_builtin("scorer", name) and _builtin_class(name) is cls):
         name = register_class(cls, Scorer)
     fields = {f.name: getattr(scorer, f.name) for f in dataclasses.fields(scorer)
               if f.init and not f.name.startswith("_") and f.name != "seed"}

@@ -2,7 +2,7 @@
 
 `--scorer` (and a plan's `"scorer"`) names a scorer in one of four ways, tried in this order:
 
-* a built-in name (`alpha`, `h2o`, ...: `retention.scorers.available()`);
+* a built-in name (`alpha`, `h2o`, ...: `retention.policy.registry.available()`);
 * a name an installed distribution registers in the entry-point group `retention.scorers`
   (`[project.entry-points."retention.scorers"] keynorm = "keynorm_scorer:KeyNorm"`);
 * `package.module:Class`, imported from `sys.path`;

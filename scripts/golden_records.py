@@ -199,8 +199,8 @@ def _base(model: str, scorer: str, stats: str | None = None) -> dict:
 def _stats_file(model: str, out: Path) -> str:
     """Calibration statistics of `model` (float64) on a fixed text, as `retention calibrate` writes them
     (per-head, or latent for an MLA model)."""
-    from retention.scorers.calibration import calibrate
-    from retention.scorers.calibration_latent import calibrate_latent, latent_model
+    from retention.policy.scoring.calibration import calibrate
+    from retention.policy.scoring.calibration_latent import calibrate_latent, latent_model
     from retention.models import load_model
 
     loaded = load_model(model, dtype=DTYPE, device="cpu")

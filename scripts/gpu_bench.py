@@ -34,10 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from retention.scorers.calibration import calibrate  # noqa: E402
+from retention.policy.scoring.calibration import calibrate  # noqa: E402
 from retention.runtime.engine import Engine, Request, SamplingConfig  # noqa: E402
-from retention.runtime.policy import RetentionPolicy, cadence_for  # noqa: E402
-from retention.scorers import make_scorer  # noqa: E402
+from retention.policy.composite import RetentionPolicy, cadence_for  # noqa: E402
+from retention.policy.registry import make_scorer  # noqa: E402
 
 SHAPE = dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
              intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768, rope_theta=10000.0,

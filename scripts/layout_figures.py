@@ -14,7 +14,7 @@ import torch
 from retention.models.arch.bench import DEFAULT_STEPS, STUDY_BATCH, STUDY_CONTEXTS, step_times
 from retention.models.arch.configs import TINY
 from retention.models.arch.model import build_arch
-from retention.runtime.generate import decode
+from retention.runs.teacher_forced import decode
 
 
 def measured_bytes(tokens: int = 24) -> None:

@@ -168,7 +168,7 @@ def test_graph_covers_the_packages():
     graph = import_graph()
     assert "retention.models.arch.model" in graph and "protocol.io" in graph
     assert "retention.models.arch.configs" in graph["retention.models.arch.model"]
-    assert "retention.scorers.h2o" in graph["retention.scorers"]  # followed through import_module(f"...")
+    assert "retention.policy.scoring.h2o" in graph["retention.policy.registry"]
 
 
 def test_dynamic_import_targets():
@@ -183,6 +183,37 @@ def test_no_import_cycles_anywhere():
     """No cycle anywhere in `retention/` or `protocol/` (the scorer registry's was the last: the
     registry now names its modules in `BUILTINS` and no scorer module imports the package)."""
     assert cycles(import_graph()) == []
+
+
+def _room(module: str) -> str:
+    """The package a module of `retention/` lives in (`runtime`, `policy`, `runs`, ...): its second
+    name, and under `runs/` its subpackage (`runs.engines`, `runs.scale`); a module of the root is its
+    own room."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "runs" and (ROOT / "retention" / "runs" / parts[2]).is_dir():
+        return f"runs.{parts[2]}"
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_no_arrow_back_up_between_packages():
+    """Between the packages of `retention/` (and the subpackages of `runs/`: the engines below the runs,
+    the scale-out launchers above them), arrows point one way:
+    no two packages import each other, whatever modules carry the imports."""
+    rooms: dict[str, set[str]] = {}
+    for m, deps in import_graph().items():
+        if m.startswith("retention."):
+            rooms.setdefault(_room(m), set()).update(_room(d) for d in deps if d.startswith("retention.") and _room(d) != _room(m))
+    both = sorted({tuple(sorted((a, b))) for a, out in rooms.items() for b in out if a in rooms.get(b, ())})
+    assert both == []
+
+
+def test_the_runtime_imports_nothing_above_it():
+    """The engine, cache and generation code type against `retention.runtime.protocol.StepPolicy`: no
+    module of `retention/runtime/` imports the mechanisms, the scorers' public face or the models."""
+    above = ("retention.policy", "retention.scorers", "retention.models", "retention.runs")
+    offenders = sorted((m, d) for m, deps in import_graph().items() if m.startswith("retention.runtime")
+                       for d in deps if d.startswith(above))
+    assert offenders == []
 
 
 def test_nothing_outside_the_cli_imports_it():

@@ -151,7 +151,7 @@ def bench_command(ctx, model, layouts, dtype, device, threads, engines, vllm_eag
                              f"generate with `retention run --model {model}`")
     from protocol.splits import load_split
     from retention.runs.bench import run_bench
-    from retention.runtime.cadence import ACCOUNTING_MODES
+    from retention.policy.cadence.base import ACCOUNTING_MODES
     from retention.runs.settings import tokens_for_kib
     from retention.models import load_model
 
@@ -210,7 +210,7 @@ def _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, t
 def _variant_names(scorers: str) -> list[str]:
     """The comma list of `--scorer`: scorers and reference variants, each name known."""
     from retention.runs.bench import REFERENCE_VARIANTS
-    from retention.scorers import get_scorer_class
+    from retention.policy.registry import get_scorer_class
 
     names = [s.strip() for s in scorers.split(",") if s.strip()]
     if not names:
@@ -226,8 +226,8 @@ def _check_variants(names, budget, interval, modes, stats_path, lam) -> None:
     that is not statistics, a cadence a scorer cannot run (in every accounting mode)."""
     from retention.runs.bench import REFERENCE_VARIANTS
     from retention.runs.scorer_options import resolve
-    from retention.runtime.policy import cadence_for
-    from retention.scorers import make_scorer
+    from retention.policy.composite import cadence_for
+    from retention.policy.registry import make_scorer
 
     if lam is not None and lam != lam:  # click's FloatRange lets nan through
         raise click.BadParameter("nan is not a number", param_hint="'--lambda'")

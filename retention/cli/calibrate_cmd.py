@@ -23,7 +23,7 @@ def dev_split_text(splits_dir=None) -> str:
 
 
 # Layout families without a TriAttention/alpha derivation, and why (docs/layouts.md). MLA and QK-norm
-# MLA are calibrated with latent statistics (`retention.scorers.calibration_latent`).
+# MLA are calibrated with latent statistics (`retention.policy.scoring.calibration_latent`).
 NOT_DERIVED = {
     "kv": "per-head statistics of the reference modules (interleaved RoPE pairs) are not implemented; tiny-random "
           "is the per-head model",
@@ -62,8 +62,8 @@ def calibrate_command(model, out, text_path, tokens, dtype, device, splits_dir):
     The text is tokenised once and run in independent chunks of 2048 tokens; the file records the
     model id, head geometry, RoPE parameters, dtype, token count and the sha256 of the tokens.
     """
-    from retention.scorers.calibration import calibrate, default_stats_path
-    from retention.scorers.calibration_latent import calibrate_latent, latent_model
+    from retention.policy.scoring.calibration import calibrate, default_stats_path
+    from retention.policy.scoring.calibration_latent import calibrate_latent, latent_model
     from retention.models import load_model, resolve_model
 
     from protocol.io import check_writable, ensure_dir, read_text

@@ -26,7 +26,7 @@ def check_scorer_command(spec, params, context, share_budget, share_tokens):
     """
     from retention.contract import run_checks
     from retention.runs.scorer_options import resolve
-    from retention.scorers import get_scorer_class
+    from retention.policy.registry import get_scorer_class
 
     get_scorer_class(spec)  # a plugin that does not import is one error line, not a failed check
     options = resolve([spec], {}, params)[spec]
@@ -54,8 +54,8 @@ def check_command(target, params, scorer, context):
     from retention.contract.families import parse_target, run_family_checks
     from retention.runs.scorer_options import mechanism_options, resolve
 
-    from retention.runtime.mechanisms import mechanism_class
-    from retention.scorers import get_scorer_class
+    from retention.policy.registry import mechanism_class
+    from retention.policy.registry import get_scorer_class
 
     family, name = parse_target(target)
     get_scorer_class(scorer if family != "scorer" else name)  # one error line for an unknown or broken name

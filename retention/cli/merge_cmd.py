@@ -17,7 +17,7 @@ def merge_command(shard_dirs, out):
     Refuses, writing nothing, shards of mismatched configurations, duplicated or missing
     (problem, sample) pairs, missing shards, and shards run by another code version or split manifest.
     """
-    from retention.runs.scale.merge import merge
+    from retention.runs.merge import merge
 
     for target in merge(shard_dirs, out):
         n = sum(1 for line in (target / "records.jsonl").read_text(encoding="utf-8").splitlines() if line.strip())

@@ -395,7 +395,7 @@ def confirm_cmd(plan_path, out, cells, overrides, reason, manifest_hash, code_ve
     manifest_hash = manifest_hash or manifest_sha256(splits_dir, dataset=plan.get("dataset", "math500"))
     if shard_text is not None:
         from retention.runs.scale.confirm_shard import generate_confirm_shard
-        from retention.runs.scale.shard import parse_shard
+        from retention.runs.shard import parse_shard
 
         if spec is not None and spec != plan.get("runner", prereg.DEFAULT_RUNNER_SPEC):
             raise click.ClickException(f"--runner {spec} is not the plan's registered runner: --shard generates "

@@ -200,7 +200,7 @@ def run_command(settings: RunSettings, budget: Budget, arms: ArmChoice, scale: S
 
     Rerunning the same command resumes: finished records are skipped.
     """
-    from retention.runs.scale.shard import parse_shard
+    from retention.runs.shard import parse_shard
 
     shard = parse_shard(scale.shard_text)
     names = _scorer_list(arms.scorers)
@@ -210,7 +210,7 @@ def run_command(settings: RunSettings, budget: Budget, arms: ArmChoice, scale: S
     if baseline:
         names.append(baseline)
     if budget.tokens is not None:
-        from retention.scorers import get_scorer_class
+        from retention.policy.registry import get_scorer_class
 
         if not any(get_scorer_class(n).evicts for n in names):  # the budget would be ignored, with no word
             flag = "--budget" if budget.kib is None else "--budget-bytes"
@@ -267,7 +267,7 @@ def _mechanisms_for(name: str, mechanisms: dict, baseline: str | None) -> dict:
     """The non-scoring mechanisms of arm `name`: every listed scorer's arm gets them, except the
     `--baseline` arm, which stays at the defaults (the comparison it is the baseline of); a `full`
     arm keeps the decoding mechanism only (the others act at compactions, which it never has)."""
-    from retention.scorers import get_scorer_class
+    from retention.policy.registry import get_scorer_class
 
     from retention.runs.scorer_options import scorer_fields
 

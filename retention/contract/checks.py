@@ -48,12 +48,12 @@ from retention.models import load_model, resolve_model
 from retention.runs.arms import check_scorer_reads, validate_arm
 from retention.runs.runner import Arm, RunDir, run_arms
 from retention.runs.scorer_options import scorer_fields
+from retention.policy.cadence.base import Cadence
 from retention.runs.settings import Output, RunSettings, Sampling
-from retention.runtime.cadence import Cadence
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
-from retention.runtime.policy import RetentionPolicy, cadence_for
-from retention.scorers import get_scorer_class, make_scorer
-from retention.scorers.calibration import calibrate
+from retention.policy.composite import RetentionPolicy, cadence_for
+from retention.policy.registry import get_scorer_class, make_scorer
+from retention.policy.scoring.calibration import calibrate
 
 BUDGET, INTERVAL, NEW_TOKENS = 20, 4, 24
 # Twelve prompts of 13..69 tokens (eight lengths), so rows are padded, compact at prefill or not, and
@@ -103,7 +103,7 @@ class _Kit:
         self.budget = max(BUDGET, b + span // 2 + 1)
         self.new_tokens = NEW_TOKENS + max(0, span - INTERVAL)
         self.arm = validate_arm(dict(arm, budget=self.budget), as_named)
-        self.make = lambda: make_scorer(spec, **self.arm.scorer_params)  # noqa: E731
+        self.make = self.arm.build_scorer
         self.m64 = copy.deepcopy(self.loaded.model).to(torch.float64)
         self.sc0 = self.make()
         self.cadence = self.arm.cadence

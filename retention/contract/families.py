@@ -27,9 +27,8 @@ import torch
 
 from retention.contract.checks import CheckResult, _guard, _Kit, run_checks
 from retention.errors import RetentionError
-from retention.runs.scorer_options import scorer_fields
-from retention.runtime.mechanisms import FAMILIES, mechanism_class
-from retention.runtime.state import Quant, _quantise_keys, _quantise_values
+from retention.policy.registry import FAMILIES, get_scorer_class, mechanism_class
+from retention.policy.state.quant import Quant, _quantise_keys, _quantise_values
 
 DEFAULT_SCORER = "triattention"
 
@@ -89,10 +88,10 @@ def _default_exact(family: str, scorer: str, tmp: Path) -> CheckResult:
 
 
 def _trivial_exact(family: str, name: str, trivial: dict, scorer: str, tmp: Path) -> CheckResult:
-    # An allocating routing sets a scorer's routing parameter to per-layer: its trivial member is
-    # native routing with one kept set per layer.
+    # An allocating routing sets a scorer with a choice of kept-set structure to per-layer: its
+    # trivial member is the per-layer routing (one kept set per layer, no allocation).
     per_layer = (family == "routing" and mechanism_class(family, name).allocates
-                 and "routing" in scorer_fields(scorer))
+                 and "per-layer" in get_scorer_class(scorer).structures)
     base = _decode(family, "per-layer" if per_layer else None, scorer, tmp, "base")
     # As named: a run records a trivial setting as the default, so only the mechanism itself tests the claim.
     got = _decode(family, {"name": name, "params": trivial}, scorer, tmp, "trivial", as_named=True)

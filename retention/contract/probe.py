@@ -18,8 +18,8 @@ import torch
 
 from retention.errors import RetentionError
 from retention.runtime import syncs
-from retention.runtime.guard import figure_refusal, logits_refusal, outgrown, stored_kib_floor
-from retention.runtime.policy import RetentionPolicy
+from retention.policy.guard import figure_refusal, logits_refusal, outgrown, stored_kib_floor
+from retention.policy.composite import RetentionPolicy
 
 MAX_NOTES = 3  # violations quoted per check
 
@@ -257,7 +257,7 @@ class CheckedPolicy(RetentionPolicy):
     meter counts (and what it kept: the positions in the buffers after a compaction are the kept
     ones), and the bytes stored are the bytes of that many tokens; that the routing's keep holds the
     cadence's `k` per head; that the metered KiB are finite and not below what the buffers can be
-    stored in (`retention.runtime.guard.stored_kib_floor`: believes nothing the state says); and that
+    stored in (`retention.policy.guard.stored_kib_floor`: believes nothing the state says); and that
     no row outgrows `b + span` (a cadence that lets it is refused in one line naming it)."""
 
     violations: list[str] = field(default_factory=list)

@@ -76,7 +76,7 @@ class CacheLayout:
 
     @property
     def provides(self) -> frozenset[str]:
-        """What the stores hold for scorers (`retention.scorers.READS`): per-head keys and values
+        """What the stores hold for scorers (`retention.policy.registry.READS`): per-head keys and values
         (`kv`), an MLA latent (`mla`, `path-mla`), neither for stores shared across layers."""
         if self.family == "kv":
             return frozenset({"positions", "keys", "values"})

@@ -24,7 +24,7 @@ from retention.models.arch.model import build_arch, is_arch_model
 from retention.models.gguf import cached_quant, gguf_config, gguf_file_cache, gguf_quant, split_gguf_cache
 from retention.models.hub import PROBE_SECONDS, hub_answers
 from retention.models.layouts import DOCUMENTED, CacheLayout, layout_from_config
-from retention.models.packing import pack_linears, packing_supported
+from retention.runtime.packing import pack_linears, packing_supported
 from retention.models.prompts import prompt_style
 from retention.models.tiny import build_tiny_random, build_tiny_tokenizer
 from retention.models.weights_cache import _smollm2_cache, sha256_files, smollm2_gguf_path
@@ -111,7 +111,7 @@ def load_model(
     `dtype` is `float32 | bfloat16 | float16`; `device` is `cpu | cuda | cuda:N | mps` and must be
     available. `revision` (a hub branch, tag or commit) applies to hub models only. `seed` selects
     the weights of `tiny-random` and is ignored otherwise. `pack` reorders bfloat16 CPU linear
-    weights once for oneDNN (`retention.models.packing`: the same outputs, faster steps), within
+    weights once for oneDNN (`retention.runtime.packing`: the same outputs, faster steps), within
     `PACK_SHARE` of the memory available after loading; None: unless `RETENTION_PACK=0` is set
     (every command, for measuring what packing buys). Every failure a user can cause or fix
     ends in a one-line `RetentionError`.

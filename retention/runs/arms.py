@@ -16,56 +16,54 @@ from retention.errors import RetentionError
 from retention.models import model_layout, resolve_model
 from retention.plugins import check_registered
 from retention.runs.canonical import canonical_values, is_trivial, typed_params
-from retention.runs.scorer_options import scorer_fields
 from protocol.io import canonical_json
 from protocol.numbers import canonical_value
 from retention.runs.settings import Budget, RunSettings
 from retention.runs.spec import ArmSpec, MechanismSpec
 from retention.runtime.adapter import provides
-from retention.runtime.cadence import REFERENCE_INTERVAL
-from retention.runtime.mechanisms import (FAMILIES, make_mechanism, mechanism_class, mechanism_fields,
-                                          mechanism_identity)
-from retention.runtime.policy import cadence_for
+from retention.policy.cadence.base import REFERENCE_INTERVAL
+from retention.policy.composite import cadence_for
+from retention.policy.registry import (FAMILIES, canonical_routing, class_fields, construct, get_scorer_class,
+                                       mechanism_class, mechanism_identity, reads_refusal, routing_given,
+                                       scorer_identity, scorer_kwargs, scorer_parameters, structure_recorded)
+from retention.policy.scoring.calibration import default_stats_path
+from retention.policy.scoring.calibration_latent import read_stats_file
 from retention.runtime.sampling import LEGACY_SAMPLER
-from retention.scorers import get_scorer_class, make_scorer, reads_refusal, scorer_identity
-from retention.scorers.calibration import default_stats_path
-from retention.scorers.calibration_latent import read_stats_file
 
 def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | None = None,
-                     head_dims: tuple[int, int] | None = None, as_named: bool = False) -> ArmSpec:
+                     head_dims: tuple[int, int] | None = None, as_named: bool = False, cls: type | None = None) -> ArmSpec:
     """The `ArmSpec` of one arm: its scorer, its four other mechanisms, and its configuration.
 
-    options: the scorer's parameters (a statistics path); mechanisms: family -> a name, or
-    `{"name", "params"[, "plugin"]}` (absent: the family's default); head_dims: (d_k, d_v) of the
-    model's per-layer K/V cache (None on a latent or shared-store layout); as_named: build every
-    mechanism as named even at a trivial setting (the contract kit's "trivial member exact" must run
-    the mechanism itself to test its claim). The configuration records
+    options: the scorer's parameters (a statistics path; `routing`: a structure as configurations
+    wrote it); mechanisms: family -> a name, or `{"name", "params"[, "plugin"]}` (absent: the
+    family's default); head_dims: (d_k, d_v) of the model's per-layer K/V cache (None on a latent or
+    shared-store layout); as_named: build every mechanism as named even at a trivial setting (the
+    contract kit's "trivial member exact" must run the mechanism itself to test its claim); cls: the
+    scorer's class when the caller resolved it (else it is looked up here). The configuration records
     the scorer's parameters with the statistics named by their sha256, and every non-default
     mechanism in canonical form (every parameter with its resolved value)."""
-    cls = get_scorer_class(scorer)
+    return _build(base, scorer, options, mechanisms, head_dims, as_named, cls)[0]
+
+
+def _build(base: dict, scorer: str, options: dict, mechanisms: dict | None, head_dims, as_named: bool,
+           cls: type | None):
+    """(`ArmSpec`, the validated scorer instance) of one arm (`build_arm_config`)."""
+    cls = cls if cls is not None else get_scorer_class(scorer)
     base = dict(base)
     counted = _prompt_counted(cls, base.pop("protect_prompt_counted", None), bool(base.get("protect_prompt")))
     fields = {f.name for f in dataclasses.fields(cls)} - {"seed"}
     params = {k: v for k, v in options.items() if k in fields and v is not None}
     given = {fam: _mechanism_arg(fam, (mechanisms or {}).get(fam)) for fam in FAMILIES}
-    routing_name, routing_params, _ = given["routing"]
-    routing_cls = mechanism_class("routing", routing_name)
-    structure = routing_cls.structure
-    if structure is not None:  # shared / per-layer: the scorer's own routing parameter, recorded there
-        if "routing" not in fields:
-            raise RetentionError(f"routing {routing_name!r} needs a scorer with a routing parameter (triattention, "
-                                 f"alpha); {scorer!r} has none")
-        if params.get("routing", structure) != structure:
-            raise RetentionError(f"--routing {routing_name} and {scorer}.routing={params['routing']} disagree; give one")
-        params["routing"] = structure
-        given["routing"] = ("native", {}, None)
-    elif routing_cls.allocates and "routing" in fields:  # an allocation needs one kept set per layer
-        if params.get("routing", "per-layer") != "per-layer":
-            raise RetentionError(f"routing {routing_name!r} allocates per layer; {scorer}.routing={params['routing']} "
-                                 "shares one kept set over the layers (leave it unset)")
-        params["routing"] = "per-layer"
+    # The kept-set structure is the routing family's; a configuration may still write it as the
+    # scorer's `routing` (read here, written back below: the same arm, the same hash).
+    given["routing"] = routing_given(scorer, cls, options.get("routing"), given["routing"])
+    routing_name = given["routing"][0]
+    structure = mechanism_class("routing", routing_name).structure_for(cls)
     params = typed_params(cls, params, scorer)
-    scorer_obj = make_scorer(scorer, **params)  # validates parameters now, not in the middle of a run
+    identity = scorer_identity(scorer, cls)
+    scorer_obj = construct("scorer", scorer, cls, scorer_kwargs(cls, params), identity is None)  # validated now
+    if structure is not None:
+        scorer_obj.structured(structure)
     unset = set(getattr(cls, "unrecorded_when_unset", ()))  # newer parameters: recorded once set
     params = canonical_values({k: getattr(scorer_obj, k) for k in sorted(fields)
                                if not k.startswith("_") and not (k in unset and getattr(scorer_obj, k) is None)}, scorer)
@@ -79,9 +77,9 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
         if fam == "cadence":
             continue
         specs[fam], objs[fam] = _resolve_mechanism(fam, name, mparams, registered, as_named)
+    specs["routing"] = canonical_routing(specs["routing"], cls, structure)
     cname, cparams, cregistered = given["cadence"]
     cspec, _ = _resolve_mechanism("cadence", cname, cparams, cregistered, as_named)
-    cname = cspec.name  # a trivial setting resolves to the default cadence
     _check_families(scorer, cls.evicts, {**specs, "cadence": cspec})
     objs["state"].check(head_dims)
     if cls.evicts:
@@ -91,27 +89,29 @@ def build_arm_config(base: dict, scorer: str, options: dict, mechanisms: dict | 
                              f"{specs['state'].name!r} counts the same tokens in every head (use --state full)")
     budget = base["budget"]
     if base.get("budget_kib") is not None and specs["state"].name != "full" and cls.evicts:
-        budget = _state_budget(objs["state"], base, scorer_obj, mechanism_class("cadence", cname), cspec.kwargs,
-                               head_dims)
+        budget = _state_budget(objs["state"], base, scorer_obj, cspec.cls, cspec.kwargs, head_dims)
     cadence = cadence_for(scorer_obj, budget, base["interval"], base["accounting"], base["sink"], base["recent"],
-                          protect_prompt=bool(base.get("protect_prompt")), kind=mechanism_class("cadence", cname),
+                          protect_prompt=bool(base.get("protect_prompt")), kind=cspec.cls,
                           params=cspec.kwargs, prompt_counted=counted)
-    identity = scorer_identity(scorer)
     if identity is not None:  # a plugin: its code is part of what the arm is
         extra["scorer_plugin"] = identity
     # The configuration (hashed: run id, resume, labels, baseline matching) names the statistics by
     # content, never by path: the same file under another cache root is the same arm, and the two
     # models of a study, each with its own statistics, are one arm each with its own identity.
-    recorded = dict(params, stats=f"sha256:{extra['stats_sha256']}") if "stats" in params else params
-    families = {fam: m.record() for fam, m in {**specs, "cadence": cspec}.items() if not m.is_default}
+    recorded = dict(params, stats=f"sha256:{extra['stats_sha256']}") if "stats" in params else dict(params)
+    if structure is not None and cls.structures:  # the structure, where configurations have always written it
+        recorded["routing"] = structure
+    families = {fam: m.record() for fam, m in {**specs, "cadence": cspec}.items()
+                if not m.is_default and not (fam == "routing" and structure_recorded(m))}
     config = dict(base, scorer=scorer, scorer_params=recorded, budget=cadence.budget, interval=cadence.interval,
                   sink=cadence.sink, recent=cadence.recent, nominal_b=cadence.nominal, **extra, **families)
     # The counted prompt rule is recorded where it is set, and always for a preset whose own rule
     # is not "evict" (so that its canonical form names the rule that ran); absent: as before the key.
     if cadence.prompt_counted or cls.default_prompt != "evict":
         config["protect_prompt_counted"] = bool(cadence.prompt_counted)
-    return ArmSpec(MechanismSpec.of("scorer", scorer, params, identity), cadence, cspec, specs["routing"],
+    spec = ArmSpec(MechanismSpec.of("scorer", scorer, params, identity, cls), cadence, cspec, specs["routing"],
                    specs["state"], specs["decoding"], canonical_json(config))
+    return spec, scorer_obj
 
 
 def _prompt_counted(cls, given, on_top: bool) -> bool:
@@ -143,23 +143,25 @@ def _mechanism_arg(fam: str, value) -> tuple[str, dict, dict | None]:
 
 
 def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | None, as_named: bool = False):
-    """(canonical MechanismSpec, instance) of one mechanism; its parameters checked by name and by its
-    constructor, every parameter recorded with its resolved value."""
-    fields = mechanism_fields(fam, name)
+    """(canonical MechanismSpec, instance) of one mechanism, its class looked up once; its parameters
+    checked by name and by its constructor, every parameter recorded with its resolved value."""
+    cls = mechanism_class(fam, name)
+    fields = class_fields(fam, cls)
     unknown = sorted(set(params) - set(fields))
     if unknown:
         raise RetentionError(f"{fam} {name!r} has no parameter(s) {unknown}; it takes {sorted(fields) or 'none'}")
-    params = typed_params(mechanism_class(fam, name), params, name)
+    params = typed_params(cls, params, name)
     build = {"budget": None, "interval": 1} if fam == "cadence" else {}  # a cadence is built at its budget later
-    obj = make_mechanism(fam, name, params, **build)
-    identity = mechanism_identity(fam, name)
+    identity = mechanism_identity(fam, name, cls)
+    obj = construct(fam, name, cls, params, identity is None, **build)
     check_registered(registered, identity, fam)
-    default = FAMILIES[fam].default
     rec = obj  # checked as given (its refusals stand), recorded as what it behaves as
-    if name != default and not as_named and is_trivial(obj):  # the same cell as the default it behaves as
-        name, fields, rec, identity = default, mechanism_fields(fam, default), make_mechanism(fam, default, {}, **build), None
+    if name != FAMILIES[fam].default and not as_named and is_trivial(obj):  # the cell of the default it behaves as
+        name = FAMILIES[fam].default
+        cls = FAMILIES[fam].builtins[name]
+        fields, rec, identity = class_fields(fam, cls), construct(fam, name, cls, {}, True, **build), None
     resolved = canonical_values({k: getattr(rec, k) for k in sorted(fields)}, name)
-    return MechanismSpec.of(fam, name, resolved, identity), obj
+    return MechanismSpec.of(fam, name, resolved, identity, cls), obj
 
 
 def _check_families(scorer: str, evicts: bool, specs: dict) -> None:
@@ -216,9 +218,10 @@ _ARM_KEYS = {"scorer", "scorer_params", "stats_sha256", "scorer_plugin", "interv
 PARAM_ALIASES = {"lambda": "lam"}
 
 
-def normalize_arm(cfg: dict) -> dict:
+def normalize_arm(cfg: dict, cls: type | None = None) -> dict:
     """An arm configuration with parameter aliases resolved (`scorer_params.lambda` -> `lam`) and
-    no `sampler` key where it would say nothing (the legacy sampler, or a greedy arm)."""
+    no `sampler` key where it would say nothing (the legacy sampler, or a greedy arm); cls: the
+    scorer's class where the caller resolved it."""
     cfg = dict(cfg)
     params = cfg.get("scorer_params")
     if isinstance(params, dict):
@@ -234,7 +237,7 @@ def normalize_arm(cfg: dict) -> dict:
             except ValueError as exc:
                 raise RetentionError(f"{key}: {exc}") from None
     if isinstance(cfg.get("scorer"), str) and cfg["scorer"] and "scorer_plugin" not in cfg:
-        identity = scorer_identity(cfg["scorer"])
+        identity = scorer_identity(cfg["scorer"], cls)
         if identity is not None:
             cfg["scorer_plugin"] = identity
     return cfg
@@ -277,7 +280,10 @@ def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None
         cfg = dict(settings.config(), **cfg)
     if budget is not None:
         cfg = dict(budget.config(), **cfg)
-    cfg = normalize_arm(cfg)
+    scorer = cfg.get("scorer")
+    # The arm's one lookup of its scorer by name: the class travels from here (into its spec).
+    cls = get_scorer_class(scorer) if isinstance(scorer, str) and scorer else None
+    cfg = normalize_arm(cfg, cls)
     if not isinstance(cfg.get("scorer"), str) or not cfg["scorer"]:
         raise RetentionError("an arm configuration needs a 'scorer' name")
     if settings is None:
@@ -286,11 +292,11 @@ def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None
         Budget.from_config(cfg)  # every budget value checked, in one line each
     ref = resolve_model(settings.model)
     engine = cfg.get("engine", "hf")
-    check_scorer_reads(cfg["scorer"], ref, settings.dtype)
+    check_scorer_reads(cfg["scorer"], ref, settings.dtype, cls.reads)
     params = cfg.get("scorer_params") or {}
     if not isinstance(params, dict):
         raise RetentionError(f"scorer_params must be an object, got {params!r}")
-    fields = set(scorer_fields(cfg["scorer"]))
+    fields = set(scorer_parameters(cls))
     unknown = sorted(set(params) - fields)
     if unknown:
         raise RetentionError(f"scorer {cfg['scorer']!r} has no parameter(s) {unknown}; it takes "
@@ -308,7 +314,8 @@ def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None
     layout = model_layout(settings.model, settings.dtype)
     head_dims = (layout.head_dim, layout.head_dim) if layout.family == "kv" else None
     try:
-        spec = build_arm_config(base, cfg["scorer"], options, {f: cfg.get(f) for f in FAMILIES}, head_dims, as_named)
+        spec, scorer_obj = _build(base, cfg["scorer"], options, {f: cfg.get(f) for f in FAMILIES}, head_dims, as_named,
+                                  cls)
     except TypeError as exc:  # a parameter of the wrong type reached the scorer's constructor
         raise RetentionError(f"scorer {cfg['scorer']!r}: bad parameter ({exc})") from None
     built, config = spec.scorer_params, spec.config
@@ -316,7 +323,7 @@ def validate_arm(cfg: dict, as_named: bool = False, settings: RunSettings | None
     if refusal is not None:
         raise RetentionError(refusal)
     # Again with the parameters given (e.g. snapkv's rule keeps one of its alternatives).
-    check_scorer_reads(cfg["scorer"], ref, settings.dtype, make_scorer(cfg["scorer"], **built).reading())
+    check_scorer_reads(cfg["scorer"], ref, settings.dtype, scorer_obj.reading())
     if built.get("stats"):
         check_stats_file(Path(built["stats"]))
     check_registered(cfg.get("scorer_plugin"), config.get("scorer_plugin"))  # a changed plugin is refused

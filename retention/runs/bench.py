@@ -35,7 +35,7 @@ from retention.runs.scorer_options import scorer_fields
 from retention.runtime.engine import Engine, Request, SamplingConfig, cache_kwarg
 from retention.runtime.generate import generate
 from retention.runtime.syncs import count_host_reads, synced_now
-from retention.scorers import get_scorer_class
+from retention.policy.registry import get_scorer_class
 from retention.versions import library_versions
 
 DYNAMIC = "dynamic-cache"

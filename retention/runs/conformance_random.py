@@ -22,16 +22,13 @@ Shapes: E events, L layers, B rows, G KV heads, W the widest pre-event cache, T 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
+from retention.policy.composite import cadence_for
+from retention.policy.scoring.random_pp import REFERENCE_WINDOW, RandomPP
+from retention.runs.conformance_case import CaseResult
 from retention.runtime.cache import CacheView, protected_positions
-from retention.runtime.policy import cadence_for
-from retention.scorers.random_pp import REFERENCE_WINDOW, RandomPP
-
-if TYPE_CHECKING:  # the result type only: `conformance` imports this module
-    from retention.runs.conformance import CaseResult
 
 RANDOM = ("random_pp",)
 # The reference launcher's setting for MATH-500 (scripts/run_cell.sh): --token_budget 1024 --residual_length 64.

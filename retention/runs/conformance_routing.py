@@ -1,7 +1,7 @@
 """Conformance of the allocating routings (PyramidKV, AdaKV) with kvpress 0.5.5's presses.
 
 The cases (`retention/data/golden/routing/`, README section 5) give the scores kvpress ranked, so
-the allocation is checked on its own: `retention.runtime.allocation`'s functions, given a case's
+the allocation is checked on its own: `retention.policy.routing.allocation`'s functions, given a case's
 scores and parameters, must reproduce the reference's budgets and kept slots exactly (the README
 shows no top-k boundary is tied). kvpress's window is no protected set of its own: SnapKV scores
 its slots above every other, so the scores keep it; nothing is protected here and every slot is
@@ -10,15 +10,11 @@ valid. The checks run through `retention.runs.conformance.check_case` like the s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from retention.runtime.allocation import (adakv_kept, keep_ranks, kept_by_counts, padded_indices, pyramid_budgets,
-                                          safeguard_size)
-
-if TYPE_CHECKING:  # the result type only: `conformance` imports this module
-    from retention.runs.conformance import CaseResult
+from retention.policy.routing.allocation import (adakv_kept, keep_ranks, kept_by_counts, padded_indices, pyramid_budgets,
+                                                 safeguard_size)
+from retention.runs.conformance_case import CaseResult
 
 ROUTINGS = ("pyramidkv", "adakv")
 

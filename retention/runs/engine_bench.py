@@ -42,7 +42,7 @@ from retention.errors import RetentionError
 from retention.models import load_model
 from retention.models.loading import model_layout
 from retention.runs.bench import REFERENCE_VARIANTS, context_prompt, speed_rows, variant_policy
-from retention.runs.engines.run import resolve_weights
+from retention.runs.engine_runs import resolve_weights
 from retention.runs.engines.vllm_bench import BenchRequest, BenchResult, Point
 from retention.versions import library_versions
 

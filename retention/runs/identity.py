@@ -30,7 +30,7 @@ from retention.models.content import content_sha256
 from retention.models.loading import _folder_revision
 from retention.models.weights_cache import sha256_files, smollm2_gguf_path
 from retention.runs.arms import normalize_arm, validate_arm
-from retention.runtime.mechanisms import FAMILIES
+from retention.policy.registry import FAMILIES
 
 # Cadence keys of an arm whose default depends on the cell (the budget) and the scorer.
 _CADENCE_KEYS = ("interval", "sink", "recent")

@@ -11,11 +11,11 @@ from retention.errors import RetentionError
 from retention.models import load_model
 from retention.models.arch.deepseek import on_reference_mla
 from retention.runs.arms import _ARM_KEYS, validate_arm
-from retention.runs.engines.run import execute_with_engine
+from retention.runs.engine_runs import execute_with_engine
+from retention.runs.merge import open_shard_run
 from retention.runs.runner import Arm, run_arms
-from retention.runs.scale.merge import open_shard_run
 from retention.runs.settings import Budget, Output, RunSettings
-from retention.runtime.mechanisms import FAMILIES
+from retention.policy.registry import FAMILIES
 
 
 def execute(settings: RunSettings, arm_specs, *, problems=None, extra_config=None, shard=None) -> list[Path]:
@@ -24,7 +24,7 @@ def execute(settings: RunSettings, arm_specs, *, problems=None, extra_config=Non
     settings: the run's `RunSettings` (model, dtype, device, engine, problems, sampling, output);
     arm_specs: the validated `ArmSpec`s, built with those settings. problems: the problems to decode
     (None: the settings' own, `Problems.load`); extra_config: keys added to every arm's configuration
-    (a plan's hash); shard: a `retention.runs.scale.shard.Shard` to generate only its pairs (None: all).
+    (a plan's hash); shard: a `retention.runs.shard.Shard` to generate only its pairs (None: all).
     The engine: "hf" (this project's `retention.runtime.engine`: a DeepSeek-V2/V3 checkpoint always
     decodes there on the reference MLA, `retention.models.arch.deepseek`) or an external engine of
     `retention.runs.engines` (non-evicting arms only). The output's batch_size (the static step's slot

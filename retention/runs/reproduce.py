@@ -36,7 +36,7 @@ from retention.runs.arms import validate_arm
 from retention.runs.runner import _eos_ids, code_version, config_hash, derive_seed, run_prompts
 from retention.runs.settings import RunSettings
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.scorers.calibration import default_stats_path
+from retention.policy.scoring.calibration import default_stats_path
 
 # Keys `execute` adds to a configuration after validation (from the loaded model).
 _LOADED_KEYS = ("model_id", "model_revision", "prompt", "model_quant")

@@ -35,12 +35,12 @@ from retention import __version__
 from retention.errors import RetentionError
 from retention.models import format_prompt, output_text
 from retention.plugins import differing_keys, loaded_outside_since, refuse_other_code, stable_identity
-from retention.runs.scale.shard import shard_pairs, shard_size
 from retention.runs.settings import RunSettings
+from retention.runs.shard import shard_pairs, shard_size
 from retention.runs.slots import auto_batch_size, resolve_slots
 from retention.runs.spec import ArmSpec, config_hash
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.guard import GuardRefusal
+from retention.policy.guard import GuardRefusal
 from retention.runtime.sampling import LEGACY_SAMPLER
 from retention.runtime.trace import CacheTracer
 from retention.host import host_fingerprint
@@ -160,7 +160,7 @@ class RunDir:
 
     path: Path
     config: dict
-    # A shard of a run writes its own files (retention.runs.scale.shard): records.shard-I-of-N.jsonl, ...
+    # A shard of a run writes its own files (retention.runs.shard): records.shard-I-of-N.jsonl, ...
     records_name: str = "records.jsonl"
     trace_name: str = "trace.jsonl"
     # --trace: every record's trace line holds its cache trace. Not in the configuration (nor its
@@ -283,7 +283,7 @@ def count_pending(arms: list["Arm"], problems, samples: int, shard=None) -> tupl
 
 
 def open_run(out: Path, config: dict, shard=None, trace: bool = False) -> RunDir:
-    """The run directory of `config` under `out`; a `retention.runs.scale.shard.Shard` writes its own files."""
+    """The run directory of `config` under `out`; a `retention.runs.shard.Shard` writes its own files."""
     if shard is None:
         return RunDir(Path(out) / run_id_for(config), config, trace=trace)
     return RunDir(Path(out) / run_id_for(config), config, shard.records_name, shard.trace_name, trace=trace)
@@ -369,7 +369,7 @@ def run_arms(loaded, arms: list[Arm], problems, settings: RunSettings, *, shard=
     slot count (`batch_size`: `retention.runs.slots`, recorded in the run directory and matched on
     resume; None chooses one for the device's memory and says so), grading, progress and trace (what
     each sequence's cache held, `retention.runtime.trace.CacheTracer`, into its trace line). shard: a
-    `retention.runs.scale.shard.Shard` to generate only its pairs (None: all of them).
+    `retention.runs.shard.Shard` to generate only its pairs (None: all of them).
     """
     samples, base_seed, fidelity = settings.problems.samples, settings.sampling.seed, settings.fidelity
     out = settings.output
@@ -428,7 +428,7 @@ def run_arms(loaded, arms: list[Arm], problems, settings: RunSettings, *, shard=
         try:
             run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=S, fidelity=fidelity, max_prompt=longest,
                        on_finish=on_finish, on_step=on_step if progress else None)
-        except GuardRefusal:  # a plugin's broken output: its own line names it (`retention.runtime.guard`)
+        except GuardRefusal:  # a plugin's broken output: its own line names it (`retention.policy.guard`)
             raise
         except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
             plugins = arm.spec.plugins()

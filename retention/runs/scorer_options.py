@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 
 from retention.errors import RetentionError
-from retention.runtime.mechanisms import FAMILIES, mechanism_class, mechanism_fields
-from retention.scorers import Scorer, get_scorer_class, is_builtin
+from retention.policy.registry import (FAMILIES, get_scorer_class, is_builtin, mechanism_class, mechanism_fields,
+                                       scorer_parameters)
+from retention.policy.scoring.base import Scorer
 
 # Shared option -> the scorer parameter it sets.
 SHARED = {"--lambda": "lam", "--radius": "radius", "--window": "window", "--stats": "stats"}
@@ -30,9 +31,8 @@ LAMBDA_MEANING = {"alpha": "redundancy penalty weight", "rkv": "importance mixin
 
 
 def scorer_fields(name: str) -> dict[str, dataclasses.Field]:
-    """The settable parameters of scorer `name` (its public dataclass fields)."""
-    return {f.name: f for f in dataclasses.fields(get_scorer_class(name))
-            if f.init and not f.name.startswith("_") and f.name != "seed"}
+    """The settable parameters of scorer `name` (`retention.policy.registry.scorer_parameters`)."""
+    return scorer_parameters(get_scorer_class(name))
 
 
 def _convert(field: dataclasses.Field, raw: str, where: str):
@@ -54,7 +54,7 @@ def _listed(scorer: str, names: list[str]) -> str:
         return scorer
     if scorer == Scorer.name:  # a plugin that names itself nothing inherits the base class's placeholder
         return scorer
-    by_name = [n for n in names if not is_builtin(n) and getattr(get_scorer_class(n), "name", None) == scorer]
+    by_name = [n for n in names if not is_builtin("scorer", n) and getattr(get_scorer_class(n), "name", None) == scorer]
     return by_name[0] if len(by_name) == 1 else scorer
 
 

@@ -1,7 +1,7 @@
 """A plugin's cheap checks before a plan registers it (`retention preregister`).
 
 `run` and `confirm` refuse a plugin whose outputs break the contract at its first compaction
-(`retention.runtime.guard.GuardedPolicy`, which every arm with a plugin runs under). A plan is
+(`retention.policy.guard.GuardedPolicy`, which every arm with a plugin runs under). A plan is
 registered before anything runs, so `preregister` runs the same guard once per arm first, on
 `tiny-random` (seconds): the arm's own mechanisms at a small budget, three prompts of different lengths
 decoded past several compactions. A plugin failing a cheap check (score shape and dtype, NaN, kept
@@ -22,10 +22,10 @@ from retention.models import load_model
 from retention.runs.arms import validate_arm
 from retention.runs.scorer_options import scorer_fields
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.guard import GuardRefusal
-from retention.runtime.mechanisms import FAMILIES, is_builtin
-from retention.scorers import scorer_identity
-from retention.scorers.calibration import calibrate
+from retention.policy.guard import GuardRefusal
+from retention.policy.registry import FAMILIES, is_builtin
+from retention.policy.registry import scorer_identity
+from retention.policy.scoring.calibration import calibrate
 
 SMOKE_BUDGET, SMOKE_INTERVAL, SMOKE_TOKENS = 24, 4, 40
 # Three prompts of different lengths: rows compacted at prefill and apart, padding in the views.

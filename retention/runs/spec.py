@@ -1,8 +1,9 @@
 """An arm is one typed spec: `ArmSpec`, the five mechanisms plus the resolved run configuration.
 
 `retention.runs.arms.validate_arm` is the one place that builds it (from CLI options, a plan's arm
-JSON, the notebook API or the contract kit): every mechanism resolved to its canonical form (its
-name, every parameter with its resolved value, a plugin's identity), validated once and hashed once.
+JSON, the notebook API or the contract kit): every mechanism resolved once to its canonical
+`MechanismSpec` (`retention.policy.registry`: its name, its class, every parameter with its resolved
+value, a plugin's identity), validated once and hashed once.
 What runs is built from the spec alone (`ArmSpec.policy()`), so what a plan registers, what `run`
 runs and what `confirm` checks are the same object.
 
@@ -20,44 +21,12 @@ import json
 from dataclasses import dataclass
 
 from protocol.io import canonical_json, config_hash  # config_hash: re-exported for the runs
-from retention.runtime.cadence import Cadence
-from retention.runtime.guard import GuardedPolicy
-from retention.runtime.mechanisms import FAMILIES, make_mechanism
-from retention.runtime.policy import RetentionPolicy
-from retention.scorers import make_scorer
+from retention.policy.cadence.base import Cadence
+from retention.policy.composite import RetentionPolicy
+from retention.policy.guard import GuardedPolicy
+from retention.policy.registry import FAMILIES, MechanismSpec  # MechanismSpec: re-exported for the runs
 
 NON_SCORING = tuple(FAMILIES)  # cadence, routing, state, decoding
-
-
-@dataclass(frozen=True)
-class MechanismSpec:
-    """One mechanism of one family: its name, its resolved parameters (sorted) and, for a plugin,
-    its identity (canonical JSON)."""
-
-    family: str
-    name: str
-    params: tuple[tuple[str, object], ...] = ()
-    plugin: str | None = None
-
-    @classmethod
-    def of(cls, family: str, name: str, params: dict | None = None, plugin: dict | None = None) -> MechanismSpec:
-        items = tuple(sorted((params or {}).items()))
-        return cls(family, name, items, None if plugin is None else json.dumps(plugin, sort_keys=True))
-
-    @property
-    def kwargs(self) -> dict:
-        return dict(self.params)
-
-    @property
-    def is_default(self) -> bool:
-        return self.family in FAMILIES and self.name == FAMILIES[self.family].default
-
-    def record(self) -> dict:
-        """The configuration's form: `{"name", "params"}` (+ `"plugin"`)."""
-        out = {"name": self.name, "params": self.kwargs}
-        if self.plugin is not None:
-            out["plugin"] = json.loads(self.plugin)
-        return out
 
 
 @dataclass(frozen=True)
@@ -96,17 +65,21 @@ class ArmSpec:
         """The families this arm changes from today's behaviour (scoring counts when not `full`)."""
         return [f for f, m in self.mechanisms.items() if f != "scorer" and not m.is_default]
 
+    def build_scorer(self):
+        """A fresh scorer as this arm runs it: built from its spec, in the kept-set structure its
+        routing chooses (`Routing.structure_for`)."""
+        scorer = self.scorer.build()
+        structure = self.routing.cls.structure_for(scorer)
+        return scorer if structure is None else scorer.structured(structure)
+
     def policy(self) -> RetentionPolicy:
         """Fresh mechanism instances for one run (per-run state never leaks between runs); an arm with
         a plugin runs under `GuardedPolicy`, which refuses it in one line at its first compaction when
         its scores, kept indices, bytes or logits break the contract."""
-        args = (make_scorer(self.scorer.name, **self.scorer.kwargs), dataclasses.replace(self.cadence),
-                make_mechanism("routing", self.routing.name, self.routing.kwargs),
-                make_mechanism("state", self.state.name, self.state.kwargs),
-                make_mechanism("decoding", self.decoding.name, self.decoding.kwargs),
-                self.config.get("budget_kib") if self.cadence.evicts else None)
+        args = (self.scorer.build(), dataclasses.replace(self.cadence), self.routing.build(), self.state.build(),
+                self.decoding.build(), self.config.get("budget_kib") if self.cadence.evicts else None)
         plugins = self.plugins()
-        if plugins:  # a plugin's outputs are checked at its first compactions (`retention.runtime.guard`)
+        if plugins:  # a plugin's outputs are checked at its first compactions (`retention.policy.guard`)
             return GuardedPolicy(*args, plugins=tuple(plugins))
         return RetentionPolicy(*args)
 

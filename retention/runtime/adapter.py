@@ -7,7 +7,7 @@ the reference layout models (`retention.models.arch`, DeepSeek checkpoints on th
 * the cache it writes (`new_cache`): the per-layer K/V layout of `RetentionCache`, or the model's
   `CacheLayout` (`RetentionCache.for_layout`), which collects the attention the modules report when
   the scorer reads it;
-* what it provides to scorers (`provides`, kinds of `retention.scorers.READS`): beyond the stores,
+* what it provides to scorers (`provides`, kinds of `retention.policy.registry.READS`): beyond the stores,
   `queries`/`calibration` through `retention.runtime.capture` on transformers, `attention` on the layout
   modules.
 """
@@ -20,7 +20,7 @@ import torch
 
 from retention.runtime.cache import RetentionCache
 
-# What each kind of model provides to a scorer (`retention.scorers.READS`).
+# What each kind of model provides to a scorer (`retention.policy.registry.READS`).
 TRANSFORMERS_PROVIDES = frozenset({"positions", "keys", "values", "queries", "calibration"})
 LAYOUT_MODEL_PROVIDES = frozenset({"positions", "attention"})
 
@@ -31,7 +31,7 @@ def provides(layout, reference: bool) -> frozenset[str]:
     layout model (`reference`) the attention its modules report, plus the layout's stores the
     view exposes (`CacheLayout.provides`: a `latent` on MLA; per-head keys reach scorers only on
     the transformers path); on an MLA latent also `calibration`, the latent query statistics of
-    `retention.scorers.calibration_latent` (not on path-on-MLA: not implemented there)."""
+    `retention.policy.scoring.calibration_latent` (not on path-on-MLA: not implemented there)."""
     if not reference:
         return TRANSFORMERS_PROVIDES
     calibrated = {"calibration"} if layout.family == "mla" else set()
@@ -72,14 +72,14 @@ class ModelAdapter:
         self.query_heads = 1 if self.reference else text.num_attention_heads
         self.provides = provides(self.layout, self.reference)
 
-    def new_cache(self, capacity: int | None, scorer=None) -> RetentionCache:
-        """An empty cache of the model's layout; with `scorer`, one that collects the attention the
-        modules report when the scorer reads it."""
+    def new_cache(self, capacity: int | None, reader=None) -> RetentionCache:
+        """An empty cache of the model's layout; with `reader` (anything with `reading()`: the run's
+        policy, or a scorer), one that collects the attention the modules report when it is read."""
         if not self.reference:
             return RetentionCache(self.L, capacity=capacity)
         cache = RetentionCache.for_layout(self.layout, capacity)
-        cache.collect_attention = scorer is not None and "attention" in self.provides and any(
-            "attention" in alt for alt in scorer.reading())
+        cache.collect_attention = reader is not None and "attention" in self.provides and any(
+            "attention" in alt for alt in reader.reading())
         return cache
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: RetentionCache, padded: bool = False) -> torch.Tensor:

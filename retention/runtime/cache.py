@@ -20,7 +20,7 @@ rectangular while different heads may keep different tokens). A new token is wri
 its row's length; a compaction gathers a row's kept tokens to the front of its own buffer; nothing
 is reallocated unless the capacity is exceeded (it then doubles: the `full` policy's growth).
 
-Ragged rows (an allocating routing: `retention.runtime.routing`, PyramidKV and AdaKV). A compaction
+Ragged rows (an allocating routing: `retention.policy.routing`, PyramidKV and AdaKV). A compaction
 may keep a different number of tokens in each (layer, KV head) of a row (`compact_rows` with an
 `Allocation`). The buffers stay `[S, G, cap]` per layer: head `(l, g)` holds its kept tokens at the
 front of the row, and the entries after them up to the row's largest count are holes, marked by

@@ -68,7 +68,7 @@ from retention.runtime.cache import RetentionCache, static_capacity
 from retention.runtime.fidelity import Fidelity, step_agreement
 from retention.runtime.host_memory import keep_large_blocks
 from retention.runtime.meter import BudgetMeter
-from retention.runtime.policy import RetentionPolicy
+from retention.runtime.protocol import StepPolicy
 from retention.runtime.prefill import chunks, full_copy, prefill_alone, prefill_batch
 from retention.runtime.sampling import SamplingConfig, draw, sample_next, sample_rows, sample_tokens  # noqa: F401
 from retention.runtime.sequence import EngineStats, Generation, Request, SequenceState  # noqa: F401
@@ -76,13 +76,11 @@ from retention.runtime.syncs import StepClock, synced_now
 from retention.runtime.tail import TailProbe, narrow_rows, same_rows
 
 
-def default_capacity(policy: RetentionPolicy, prompt_length: int, max_new_tokens: int) -> int:
-    """Tokens preallocated per row: `b + N` for an evicting policy (never exceeded: a row compacts
-    when it reaches it; with `protect_prompt` the prompt comes on top), else prompt + new tokens."""
-    c = policy.cadence
-    if policy.scorer.evicts and c.evicts:
-        return c.nominal + c.span + (prompt_length if c.protect_prompt else 0)
-    return prompt_length + max_new_tokens
+def default_capacity(policy: StepPolicy, prompt_length: int, max_new_tokens: int) -> int:
+    """Tokens preallocated per row (`StepPolicy.capacity`): `b + N` for an evicting policy (never
+    exceeded: a row compacts when it reaches it; with `protect_prompt` the prompt comes on top), else
+    prompt + new tokens."""
+    return policy.capacity(prompt_length, max_new_tokens)
 
 
 class Engine:
@@ -96,7 +94,7 @@ class Engine:
     which sizes the rows (None: the longest of `requests`, which are then read at once).
     shrink: let the tail decode on fewer rows where that changes no record (module doc)."""
 
-    def __init__(self, model, requests: Iterable[Request], policy: RetentionPolicy, sampling: SamplingConfig,
+    def __init__(self, model, requests: Iterable[Request], policy: StepPolicy, sampling: SamplingConfig,
                  eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                  keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                  on_token: Callable[[int, BudgetMeter], None] | None = None, max_prompt: int | None = None,
@@ -121,7 +119,7 @@ class Engine:
         self.shrink = shrink and self.S > 1 and not self.adapter.reference
         self._probe = TailProbe(model) if self.shrink else None
         # Opt-in: prompts that start together share a forward unless the scorer reads the forward itself.
-        self.batch_prefill = batch_prefill and not self.adapter.reference and policy.scorer.batch_prefill
+        self.batch_prefill = batch_prefill and not self.adapter.reference and policy.batch_prefill
         self.stats = EngineStats(busy=self.S, rows=self.S)
         self.slots: list[SequenceState | None] = []  # the sequence of each slot (row); None: padding
         self.cache: RetentionCache | None = None
@@ -145,7 +143,7 @@ class Engine:
         self.policy.reset_slot(slot, req.seed)
         if self.sampling.temperature > 0:
             self.gens[slot] = torch.Generator(device=self.device).manual_seed(req.seed)
-        return SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=self.policy.cadence.budget,
+        return SequenceState(req, BudgetMeter(kib_per_token=self.kib, budget=self.policy.budget,
                                               budget_kib=self.policy.budget_kib), self.gens[slot],
                              Fidelity() if self.fidelity else None, synced_now(self.device),
                              logits=[] if self.keep_logits else None, slot=slot)
@@ -162,7 +160,7 @@ class Engine:
             out = []
             while self._next is not None and len(out) < n:
                 st = self._begin(slots[len(out)])
-                lg, tmp = prefill_alone(self.adapter, st.req.prompt_ids, st.slot, self.policy.scorer, self.device)
+                lg, tmp = prefill_alone(self.adapter, st.req.prompt_ids, st.slot, self.policy, self.device)
                 self.stats.prefill_batches += 1
                 out.append(self._prefilled(st, lg, tmp, st.t0))
             return out
@@ -173,7 +171,7 @@ class Engine:
         prompts = [st.req.prompt_ids for st in states]
         logits, caches = [None] * len(states), [None] * len(states)
         for grp in chunks([len(p) for p in prompts]):
-            lg, cs = prefill_batch(self.adapter, [prompts[i] for i in grp], self.policy.scorer, self.device)
+            lg, cs = prefill_batch(self.adapter, [prompts[i] for i in grp], self.policy, self.device)
             for j, i in enumerate(grp):
                 logits[i], caches[i] = lg[j:j + 1], cs[j]  # [1, V], a single-row cache
             self.stats.prefill_batches += 1
@@ -212,7 +210,7 @@ class Engine:
 
     def _finish(self, st: SequenceState) -> None:
         g = Generation(st.out, st.finish, st.meter, synced_now(self.device) - st.t0, st.fid, st.decode_s, st.compact_s,
-                       st.logits, self.policy.tracer.finish(st.slot, len(st.out), st.meter.steps, st.fid))
+                       st.logits, self.policy.finish(st.slot, len(st.out), st.meter.steps, st.fid))
         self.stats.finished += 1
         if self.on_finish is not None:
             self.on_finish(st.req, g)
@@ -226,7 +224,7 @@ class Engine:
             started = self._start(pending)
             retry = []
             for st, lg, tmp, tmp_ref in started:
-                toks, reads = draw(self.policy.decoding.adjust(lg, [st.slot], [st.out]), self.sampling, [st.gen])
+                toks, reads = draw(self.policy.adjust(lg, [st.slot], [st.out]), self.sampling, [st.gen])
                 self.stats.start_syncs += 1 + reads
                 if self._take(st, toks.tolist()[0], lg[0]):
                     self._finish(st)
@@ -322,7 +320,7 @@ class Engine:
         compacted = policy.after_forward(cache, nxt[0] if self.S == 1 else nxt, meters[0] if self.S == 1 else meters,
                                          prefill=False, tokens=[st.out[-1] if st else None for st in slots])
         t_end = clock.mark()
-        toks, reads = draw(policy.decoding.adjust(sub, [slots[r].slot for r in act], [slots[r].out for r in act]),
+        toks, reads = draw(policy.adjust(sub, [slots[r].slot for r in act], [slots[r].out for r in act]),
                            self.sampling, [slots[r].gen for r in act])
         # The one host read of the step: the tokens (batched EOS and length checks), the fidelity figures.
         A = len(act)
@@ -395,7 +393,7 @@ class Engine:
         self.stats.narrow_refused += 1
 
 
-def run_engine(model, requests: Iterable[Request], policy: RetentionPolicy, sampling: SamplingConfig,
+def run_engine(model, requests: Iterable[Request], policy: StepPolicy, sampling: SamplingConfig,
                eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                on_token: Callable[[int, BudgetMeter], None] | None = None,

@@ -60,15 +60,16 @@ def full_copy(cache: RetentionCache, capacity: int) -> RetentionCache:
     return ref
 
 
-def prefill_alone(adapter, prompt: list[int], slot: int, scorer, device) -> tuple[torch.Tensor, RetentionCache]:
-    """One prompt's forward in a cache of its own (any model): its first-token logits `[1, V]` and cache."""
+def prefill_alone(adapter, prompt: list[int], slot: int, reader, device) -> tuple[torch.Tensor, RetentionCache]:
+    """One prompt's forward in a cache of its own (any model): its first-token logits `[1, V]` and cache
+    (`reader`: what says what the run reads, `reading()`, a policy or a scorer: `ModelAdapter.new_cache`)."""
     P = len(prompt)
-    cache = adapter.new_cache(P, scorer)
+    cache = adapter.new_cache(P, reader)
     cache.slots, cache.prompt_lengths = [slot], [P]
     return adapter.forward(torch.tensor([prompt], device=device), torch.arange(P, device=device)[None], cache), cache
 
 
-def prefill_batch(adapter, prompts: list[list[int]], scorer, device) -> tuple[torch.Tensor, list[RetentionCache]]:
+def prefill_batch(adapter, prompts: list[list[int]], reader, device) -> tuple[torch.Tensor, list[RetentionCache]]:
     """One right-padded forward of `prompts` (a transformers model): the first-token logits `[B, V]`
     (row `r` at its last prompt token) and `B` single-row caches, row `r` holding its `P_r` tokens."""
     lengths = [len(p) for p in prompts]
@@ -77,7 +78,7 @@ def prefill_batch(adapter, prompts: list[list[int]], scorer, device) -> tuple[to
     for r, p in enumerate(prompts):
         ids[r, :len(p)] = torch.tensor(p, dtype=torch.long, device=device)
     pos = torch.arange(P, device=device)[None].expand(B, -1)
-    cache = adapter.new_cache(P, scorer)
+    cache = adapter.new_cache(P, reader)
     cache.set_step_positions(pos)
     last = sorted(set(n - 1 for n in lengths))
     keep = torch.tensor(last, dtype=torch.long, device=device)

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from retention.models.packing import PackedLinear, pack_weight, packed_linear
+from retention.runtime.packing import PackedLinear, pack_weight, packed_linear
 from retention.runtime.capture import attention_function
 
 TRIALS = 8

@@ -443,7 +443,7 @@ def two_models(tmp_path_factory):
     """tiny-random and a saved copy of it, each calibrated on its own text (different files)."""
     import torch
 
-    from retention.scorers.calibration import calibrate, default_stats_path
+    from retention.policy.scoring.calibration import calibrate, default_stats_path
     from retention.models import load_model
 
     root = tmp_path_factory.mktemp("two")
@@ -465,7 +465,7 @@ def two_models(tmp_path_factory):
 def test_two_model_plan_records_each_cells_statistics(two_models, tmp_path, monkeypatch):
     import hashlib
 
-    from retention.scorers.calibration import default_stats_path
+    from retention.policy.scoring.calibration import default_stats_path
 
     root, other = two_models
     monkeypatch.setenv("RETENTION_CACHE_DIR", str(root / "cache"))

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from retention.scorers.calibration import calibrate
+from retention.policy.scoring.calibration import calibrate
 
 
 @pytest.fixture(scope="module")

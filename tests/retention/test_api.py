@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from retention.api import records_frame, run_arm
 from retention.cli import main
 from retention.errors import RetentionError
-from retention.scorers import Scorer, make_scorer
+from retention.policy.scoring.base import Scorer
+from retention.policy.registry import make_scorer
 
 OPTS = dict(budget=40, limit=2, max_new_tokens=10, batch_size=2)
 CLI_OPTS = ["--model", "tiny-random", "--budget", "40", "--limit", "2", "--max-new-tokens", "10", "--batch-size", "2",

@@ -70,7 +70,7 @@ def test_a_keys_plugin_is_refused_on_a_shared_store_and_runs_on_transformers(tmp
 
 def test_a_refusal_names_what_is_missing():
     from retention.runtime.engine import TRANSFORMERS_PROVIDES
-    from retention.scorers import reads_refusal
+    from retention.policy.registry import reads_refusal
 
     line = reads_refusal("x", (frozenset({"positions", "latent"}),), TRANSFORMERS_PROVIDES, "tiny-random")
     assert line == ("x cannot score the tiny-random cache: it reads latent + positions, and this model provides "

@@ -14,7 +14,7 @@ from retention.cli import main
 from retention.errors import RetentionError
 from retention.plugins import differing_keys
 from retention.runs.runner import RecordStore, run_id_for
-from retention.scorers import get_scorer_class, make_scorer, scorer_identity
+from retention.policy.registry import get_scorer_class, make_scorer, scorer_identity
 
 KEYNORM = (Path(__file__).parents[2] / "examples" / "keynorm-scorer" / "keynorm_scorer" / "__init__.py").read_text()
 

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from retention.runtime.decoding import Decoding
+from retention.policy.decoding import Decoding
 
 
 @dataclass

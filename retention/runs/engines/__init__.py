@@ -1,7 +1,7 @@
 """Engines other than this project's own decode loop, behind one small interface (`base.Engine`).
 
-An engine turns (prompt token ids, seed) requests into completions; `base.run_engine_arms`
-turns those into the same records, in the same run directories, as `retention.runs.runner.run_arms`.
+An engine turns (prompt token ids, seed) requests into completions; `retention.runs.engine_runs`
+(above this package) turns those into the same records, in the same run directories, as `retention.runs.runner.run_arms`.
 Only non-evicting arms (`full`) may run on another engine: eviction happens inside this project's
 cache, which another engine does not have. Engines are optional extras, imported lazily.
 """

@@ -39,7 +39,7 @@ class Point:
 
 @dataclass(frozen=True)
 class BenchRequest:
-    weights: str  # a model folder (or hub id), as `retention.runs.engines.run.resolve_weights` names it
+    weights: str  # a model folder (or hub id), as `retention.runs.engine_runs.resolve_weights` names it
     dtype: str
     new_tokens: int
     points: tuple[Point, ...]

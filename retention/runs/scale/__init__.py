@@ -1,1 +1,5 @@
-"""Scale-out: shards of a run, merging shard records, confirmation shards and the Ray launcher."""
+"""Scale-out launchers: confirmation shards (`confirm_shard.py`) and the Ray launcher (`ray.py`).
+
+They sit above the jobs they launch (`retention.runs.jobs`); a run's shards (`retention.runs.shard`)
+and their merge (`retention.runs.merge`) are the runs' own, below them.
+"""

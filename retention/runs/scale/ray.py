@@ -1,6 +1,6 @@
 """Ray launcher: the shards of one `retention run` as Ray tasks, one progress bar, merged at the end.
 
-Each shard (`retention.runs.scale.shard`) is one Ray task that runs `retention.runs.jobs.execute` for its
+Each shard (`retention.runs.shard`) is one Ray task that runs `retention.runs.jobs.execute` for its
 pairs, on `gpus_per_shard` GPUs (Ray sets `CUDA_VISIBLE_DEVICES`, so `--device cuda` is the
 task's own GPU) or on CPU workers. All tasks write into the same run directories under `out`,
 which must be on a file system that every node and the driver share (the usual set-up of a Ray or
@@ -8,7 +8,7 @@ Slurm cluster). A task whose worker process dies (killed, out of memory, node lo
 Ray up to `retries` times; the retry resumes from the records its shard already wrote, so nothing
 is generated twice and nothing is lost. An error raised by the run itself (bad input) is not
 retried. When every shard has finished, each run directory is consolidated into the layout of an
-unsharded run (`retention.runs.scale.merge.consolidate`), which checks that no pair is missing or duplicated.
+unsharded run (`retention.runs.merge.consolidate`), which checks that no pair is missing or duplicated.
 
 `ray` is an optional dependency (`pip install 'retention[ray]'`), imported only here.
 """
@@ -24,9 +24,9 @@ from tqdm import tqdm
 from protocol import shards as layout
 from retention.errors import RetentionError
 from retention.runs.jobs import execute
-from retention.runs.scale.merge import consolidate
-from retention.runs.scale.shard import Shard
+from retention.runs.merge import consolidate
 from retention.runs.settings import RunSettings
+from retention.runs.shard import Shard
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ STRING_BAD = {
     ("run", "--cadence"): ["nope", "in/missing.py:X", "os:path"],
     ("run", "--routing"): ["nope", "in/missing.py:X"],
     ("run", "--state"): ["nope", "in/afile:X"],
-    ("run", "--decoding"): ["nope", "retention.runtime.state:Quant"],
+    ("run", "--decoding"): ["nope", "retention.policy.state.quant:Quant"],
     ("stats", "--treatment"): ["nocolumn"],
     ("stats", "--baseline"): ["nocolumn"],
     ("stats", "--cluster"): ["nocolumn"],

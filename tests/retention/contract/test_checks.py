@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from retention.cli import main
 from retention.contract import run_checks
-from retention.scorers import Scorer, available, topk_keep
+from retention.policy.scoring.base import Scorer, topk_keep
+from retention.policy.registry import available
 
 HERE = "tests.retention.contract.test_checks"
 

@@ -1,6 +1,6 @@
 """The contract kit trusts no self-report (issue 46): each broken mechanism of
 `tests/retention/data/broken_mechanisms.py` fails a named check of `retention check`, and the run
-refuses it in one line at its first compaction (`retention.runtime.guard.GuardedPolicy`)."""
+refuses it in one line at its first compaction (`retention.policy.guard.GuardedPolicy`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from retention.contract.families import run_family_checks
 from retention.errors import RetentionError
 from retention.runs.arms import validate_arm
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.guard import GuardedPolicy, logits_refusal, stored_kib_floor
+from retention.policy.guard import GuardedPolicy, logits_refusal, stored_kib_floor
 
 BROKEN = Path(__file__).parents[1] / "data" / "broken_mechanisms.py"
 

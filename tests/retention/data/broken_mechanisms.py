@@ -9,10 +9,10 @@ from typing import ClassVar
 
 import torch
 
-from retention.runtime.cadence import Cadence
-from retention.runtime.decoding import Decoding
-from retention.runtime.routing import Routing
-from retention.runtime.state import State
+from retention.policy.cadence.base import Cadence
+from retention.policy.decoding.base import Decoding
+from retention.policy.routing.base import Routing
+from retention.policy.state.base import State
 
 
 @dataclass

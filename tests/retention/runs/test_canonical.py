@@ -18,7 +18,7 @@ from retention.models.content import content_sha256
 from retention.plugins import class_identity, load_plugin
 from retention.runs.arms import validate_arm
 from retention.runs.identity import model_identity
-from retention.scorers import Scorer
+from retention.policy.scoring.base import Scorer
 
 
 def _hash(stats, scorer="alpha", params=None, **families):
@@ -35,6 +35,37 @@ def test_negative_zero_and_near_equal_floats_are_one_arm(stats_path):
     assert _hash(stats_path, state=merge(-0.0)) == _hash(stats_path, state=merge(0.0))
     assert _hash(stats_path, temperature=0.6000000000000001) == _hash(stats_path, temperature=0.6)
     assert _hash(stats_path, params={"lam": 0.5}) != _hash(stats_path, params={"lam": 0.7})
+
+
+def _spec(stats, scorer, params=None, **families):
+    return validate_arm({"model": "tiny-random", "budget": 64, "scorer": scorer, "split": "dev",
+                         "scorer_params": {"stats": stats, **(params or {})}, **families})
+
+
+@pytest.mark.parametrize("scorer", ["triattention", "alpha"])
+def test_the_kept_set_structure_is_one_arm_however_it_is_written(stats_path, scorer):
+    """Routing is a family only (issue 47): a configuration that writes the structure as the scorer's
+    `routing` (every one written before), one that names the routing family, and one that writes
+    both or neither resolve to the same spec and hash, and the configuration is written as before
+    (`scorer_params.routing`, no `routing` key) so that its hash stands."""
+    for structure in ("shared", "per-layer"):
+        spellings = [_spec(stats_path, scorer, {"routing": structure}), _spec(stats_path, scorer, routing=structure),
+                     _spec(stats_path, scorer, {"routing": structure}, routing=structure)]
+        if structure == "shared":  # the scorers' default structure: what `native` (or no key) runs
+            spellings += [_spec(stats_path, scorer), _spec(stats_path, scorer, routing="native"),
+                          _spec(stats_path, scorer, {"routing": "shared"}, routing="native")]
+        first = spellings[0]
+        for spec in spellings:
+            assert spec == first and spec.hash == first.hash and spec.routing.cls is first.routing.cls
+        assert first.routing.name == ("native" if structure == "shared" else "per-layer")
+        assert first.config["scorer_params"]["routing"] == structure and "routing" not in first.config
+        assert "routing" not in first.scorer.kwargs and first.build_scorer().per_layer == (structure == "per-layer")
+        assert first.policy().scorer.per_layer == (structure == "per-layer")
+    assert _spec(stats_path, scorer).hash != _spec(stats_path, scorer, routing="per-layer").hash
+    with pytest.raises(RetentionError, match="disagree"):
+        _spec(stats_path, scorer, {"routing": "shared"}, routing="per-layer")
+    with pytest.raises(RetentionError, match="--routing must be one of shared, per-layer"):
+        _spec(stats_path, scorer, {"routing": "sideways"})
 
 
 def test_a_float_beyond_the_compared_precision_is_refused(stats_path):
@@ -66,10 +97,12 @@ def test_a_trivial_setting_is_the_mechanism_it_equals(stats_path):
     assert _hash(stats_path, cadence={"name": "newline", "params": {"max_wait": 0}}) == full
     assert _hash(stats_path, decoding={"name": "loop-guard", "params": {"max_repeats": 5000}}) == full
     assert _hash(stats_path, decoding={"name": "loop-guard", "params": {"max_repeats": 3}}) != full
-    # What runs is the default it equals; its refusals stand (pyramidkv needs a top-k scorer).
+    # What runs is the routing it equals (on triattention: one kept set per layer, no allocation); its
+    # refusals stand (pyramidkv needs a top-k scorer).
     spec = validate_arm({"model": "tiny-random", "budget": 64, "scorer": "triattention", "split": "dev",
                          "scorer_params": {"stats": stats_path}, "routing": {"name": "pyramidkv", "params": {"beta": 1}}})
-    assert type(spec.policy().routing).__name__ == "Routing"
+    policy = spec.policy()
+    assert type(policy.routing).__name__ == "PerLayer" and policy.scorer.per_layer
     with pytest.raises(RetentionError, match="pyramidkv"):
         _hash(stats_path, routing={"name": "pyramidkv", "params": {"beta": 1}})
 

@@ -19,9 +19,9 @@ from retention.errors import RetentionError
 from retention.runs.arms import validate_arm
 from retention.runs.conformance import check_case, check_dir, load_case, shipped_dir
 from retention.runtime.cache import CacheView
-from retention.runtime.cadence import Cadence
-from retention.scorers import make_scorer
-from retention.scorers.random_pp import RandomPP
+from retention.policy.cadence.base import Cadence
+from retention.policy.registry import make_scorer
+from retention.policy.scoring.random_pp import RandomPP
 
 RANDOM = shipped_dir() / "random"
 CASES = sorted(p.stem for p in RANDOM.glob("random_pp_case*.safetensors"))

@@ -2,7 +2,7 @@
 self-consistent, and this project's allocations reproduce them (`retention conformance`).
 
 The well-formedness tests read only the files (format: retention/data/golden/routing/README.md,
-section 5); the conformance tests run `retention.runtime.allocation` on each case's scores and
+section 5); the conformance tests run `retention.policy.routing.allocation` on each case's scores and
 require the reference's budgets, counts and kept slots exactly. Each rule is also shown to fail on a
 damaged copy, so a file that passes really has the stated structure and a pass is not vacuous.
 """

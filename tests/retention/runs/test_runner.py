@@ -10,7 +10,7 @@ from protocol.errors import ProtocolError
 from retention.errors import RetentionError
 from retention.runs.arms import validate_arm
 from retention.runs.runner import Arm, RunDir, count_pending
-from retention.runs.scale.shard import shard_pairs
+from retention.runs.shard import shard_pairs
 
 CONFIG = {"model": "tiny-random", "scorer": "streaming", "budget": 40, "samples": 2}
 
@@ -115,7 +115,7 @@ def test_records_are_graded_with_their_problem_text():
     record writer hands the grader the problem, whose options it reads."""
     from protocol.grading import grade
     from retention.runs.runner import make_record
-    from retention.runtime.cadence import Cadence
+    from retention.policy.cadence.base import Cadence
     from retention.runtime.meter import BudgetMeter
 
     problem = "Which shape is described by z = c? (A) Line (B) Circle (C) Plane (D) Sphere"

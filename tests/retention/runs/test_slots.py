@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from retention.runs import slots
-from retention.runtime.policy import cadence_for
-from retention.scorers import make_scorer
+from retention.policy.composite import cadence_for
+from retention.policy.registry import make_scorer
 
 KIB = 36.0  # KiB per token (e.g. a 24-layer model, 2 KV heads of 64, bf16: 24 x 2 x 2 x 64 x 2 B)
 

@@ -69,7 +69,7 @@ def test_run_refuses_a_broken_plugin_before_writing_a_record(tmp_path):
     assert all(not p.read_text().strip() for p in records)
 
 
-LAZY = '''from retention.scorers import get_scorer_class
+LAZY = '''from retention.policy.registry import get_scorer_class
 
 Base = get_scorer_class("snapkv")
 

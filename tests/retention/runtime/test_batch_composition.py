@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.policy import RetentionPolicy, cadence_for
-from retention.scorers import make_scorer
-from retention.scorers.calibration import calibrate
+from retention.policy.composite import RetentionPolicy, cadence_for
+from retention.policy.registry import make_scorer
+from retention.policy.scoring.calibration import calibrate
 
 SLOTS = 4
 NEW = 120

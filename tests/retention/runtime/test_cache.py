@@ -85,9 +85,9 @@ def test_a_scorer_writing_into_its_view_does_not_change_the_cache(tiny):
     decodes the same tokens as only reading it."""
     from tests.retention.contract.test_checks import WritesIntoView
 
-    from retention.runtime.cadence import Cadence
+    from retention.policy.cadence.base import Cadence
     from retention.runtime.engine import Request, SamplingConfig, run_engine
-    from retention.runtime.policy import RetentionPolicy
+    from retention.policy.composite import RetentionPolicy
 
     class ReadsOnly(WritesIntoView):
         def score(self, view):

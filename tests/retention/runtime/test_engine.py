@@ -8,8 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from retention.runtime.engine import Request, SamplingConfig, cache_kwarg, run_engine
-from retention.runtime.policy import RetentionPolicy, cadence_for
-from retention.scorers import available, make_scorer
+from retention.policy.composite import RetentionPolicy, cadence_for
+from retention.policy.registry import available, make_scorer
 
 # Eight prompts of different lengths (13..69 tokens), so rows are padded and compact at different steps.
 PROMPTS = [list(range(3 + i, 16 + 8 * i)) for i in range(8)]

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retention.runtime.cadence import Cadence
+from retention.policy.cadence.base import Cadence
 from retention.runtime.generate import SamplingConfig, _cache_kwarg, generate
-from retention.runtime.policy import RetentionPolicy
-from retention.scorers import make_scorer
+from retention.policy.composite import RetentionPolicy
+from retention.policy.registry import make_scorer
 
 PROMPT = list(range(3, 70))  # 67 tokens
 

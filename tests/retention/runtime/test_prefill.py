@@ -9,9 +9,9 @@ import torch
 
 from retention.runtime.adapter import ModelAdapter
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.policy import RetentionPolicy, cadence_for
+from retention.policy.composite import RetentionPolicy, cadence_for
 from retention.runtime.prefill import PREFILL_CHUNK_TOKENS, chunks, prefill_batch
-from retention.scorers import available, make_scorer, get_scorer_class
+from retention.policy.registry import available, make_scorer, get_scorer_class
 
 # Twelve prompts of 13..101 tokens: rows padded by up to 88 tokens, refills at S = 5 start in groups.
 PROMPTS = [list(range(3 + i, 16 + 8 * i)) for i in range(12)]

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from retention.runtime import tail
-from retention.runtime.cadence import NewlineCadence
+from retention.policy.cadence.newline import NewlineCadence
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
-from retention.runtime.mechanisms import make_mechanism
-from retention.runtime.policy import RetentionPolicy, cadence_for
-from retention.scorers import make_scorer
-from retention.scorers.calibration import calibrate
+from retention.policy.registry import make_mechanism
+from retention.policy.composite import RetentionPolicy, cadence_for
+from retention.policy.registry import make_scorer
+from retention.policy.scoring.calibration import calibrate
 
 SLOTS = 8
 # Sixteen prompts of 9..110 tokens for 8 slots (refills, then a tail); EOS ids that end the sampled

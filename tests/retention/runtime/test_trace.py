@@ -13,14 +13,14 @@ import torch
 
 from protocol.io import jsonl_line
 from retention.errors import RetentionError
-from retention.runtime.cadence import NewlineCadence
+from retention.policy.cadence.newline import NewlineCadence
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.mechanisms import make_mechanism
-from retention.runtime.policy import RetentionPolicy, cadence_for
+from retention.policy.registry import make_mechanism
+from retention.policy.composite import RetentionPolicy, cadence_for
 from retention.runtime.trace import (CacheTrace, CacheTracer, Compaction, NullTracer, pack_positions,
                                      unpack_positions)
-from retention.scorers import make_scorer
-from retention.scorers.calibration import calibrate
+from retention.policy.registry import make_scorer
+from retention.policy.scoring.calibration import calibrate
 
 PROMPTS = [list(range(3 + i, 16 + 8 * i)) for i in range(8)]  # 13..69 tokens
 
@@ -242,7 +242,7 @@ SIZE_BOUNDS = {"shared": 5_000, "per-layer": 100_000}
 def test_trace_of_a_long_generation_stays_small(deep, tmp_path, routing):
     model, stats = deep
     path = str(stats.save(tmp_path / "deep.safetensors"))
-    sc = make_scorer("triattention", stats=path, routing=routing)
+    sc = make_scorer("triattention", stats=path).structured(routing)
     pol = RetentionPolicy(sc, cadence_for(sc, 128))
     pol.tracer = CacheTracer()
     out = []

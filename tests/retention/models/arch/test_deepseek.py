@@ -12,11 +12,11 @@ import transformers
 from click.testing import CliRunner
 
 from retention.models.arch.deepseek import DeepseekReference
-from retention.runtime.cadence import Cadence
+from retention.policy.cadence.base import Cadence
 from retention.cli import main
 from retention.runtime.engine import Request, SamplingConfig, run_engine
-from retention.runtime.policy import RetentionPolicy
-from retention.scorers import make_scorer
+from retention.policy.composite import RetentionPolicy
+from retention.policy.registry import make_scorer
 from retention.models import build_tiny_tokenizer
 
 TOKENS = [int(t) for t in torch.randint(0, 259, (28,), generator=torch.Generator().manual_seed(1))]

@@ -14,13 +14,13 @@ from click.testing import CliRunner
 from retention.models.arch.configs import TINY
 from retention.models.arch.model import build_arch
 from retention.runtime.cache import PAD, RetentionCache
-from retention.runtime.cadence import Cadence
+from retention.policy.cadence.base import Cadence
 from retention.cli import main
 from retention.runtime.engine import Engine, Request, SamplingConfig, run_engine
 from retention.errors import RetentionError
 from retention.models import ALIASES, load_model
-from retention.runtime.policy import RetentionPolicy
-from retention.scorers import make_scorer
+from retention.policy.composite import RetentionPolicy
+from retention.policy.registry import make_scorer
 
 PROMPT = [int(t) for t in torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3))]
 GREEDY = SamplingConfig(max_new_tokens=24, temperature=0.0, ignore_eos=True)

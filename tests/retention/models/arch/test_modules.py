@@ -14,9 +14,9 @@ from retention.models.arch.configs import (
 )
 from retention.models.arch.model import ArchLM, build_arch, count_parameters
 from retention.errors import RetentionError
-from retention.runtime.generate import decode
+from retention.runs.teacher_forced import decode
 from retention.models.layouts import tokens_for_bytes
-from retention.scorers import make_scorer
+from retention.policy.registry import make_scorer
 
 SCORERS = ("full", "random", "streaming", "h2o", "snapkv")  # what a layout model provides for
 
@@ -168,7 +168,7 @@ def test_position_statistic_scorers_are_refused(name):
     from retention.runs.arms import validate_arm
 
     with pytest.raises(RetentionError, match=r"tiny-cla cache: it reads .*latent.* provides attention, positions \(calibration, .*missing\)"):
-        validate_arm({"model": "tiny-cla", "scorer": name, "budget": 16})  # tiny-mla: tests/retention/scorers/test_latent_run.py
+        validate_arm({"model": "tiny-cla", "scorer": name, "budget": 16})  # tiny-mla: tests/retention/policy/scoring/test_latent_run.py
 
 
 def test_budget_bytes_matches_memory_across_layouts():

@@ -50,8 +50,8 @@ class ReplayEngine:
 
     def complete(self, requests, sampling, eos_ids):
         from retention.runtime.generate import SamplingConfig, generate
-        from retention.runtime.policy import RetentionPolicy, cadence_for
-        from retention.scorers import make_scorer
+        from retention.policy.composite import RetentionPolicy, cadence_for
+        from retention.policy.registry import make_scorer
 
         ReplayEngine.calls.append((list(requests), dict(sampling), set(eos_ids)))
         for r in reversed(requests):  # any order: records must not depend on it
@@ -183,7 +183,7 @@ def test_engine_environment_without_parts_loads_the_converted_split_model(tmp_pa
     """vLLM's own environment (.venv-vllm) lacks the weight packages of a split GGUF model: the
     engine then loads the folder this project's environment converted, named as that one names it,
     and only when the folder's marker carries the pinned GGUF sha256."""
-    from retention.runs.engines.run import resolve_weights
+    from retention.runs.engine_runs import resolve_weights
     from retention.errors import RetentionError
     from retention.models import SPLIT_GGUFS, SplitGGUF
     from retention.models import aliases as aliases_module
