@@ -73,9 +73,9 @@ def _clean_tree(monkeypatch):
     """`confirm` refuses a checkout with uncommitted changes; a test's confirmations are of its own
     temporary plans, so they do not depend on the state of the checkout the suite runs from (the
     refusal itself is tested with the state set explicitly)."""
-    from retention.cli import protocol_cmds
+    from retention.cli import confirm_cmd
 
-    monkeypatch.setattr(protocol_cmds, "tree_is_dirty", lambda: False)
+    monkeypatch.setattr(confirm_cmd, "tree_is_dirty", lambda: False)
 
 
 # The slow tier, in one place: `make test-fast` (`pytest -m "not slow"`) leaves these out, `make test`

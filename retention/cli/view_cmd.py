@@ -1,6 +1,6 @@
 """`retention view`: a static site over run directories (`protocol.viewer`; docs/viewer.md).
 
-`report --html` (protocol_cmds) writes the same site beside its report; both take the run's
+`report --html` (report_cmd.py) writes the same site beside its report; both take the run's
 tokenizer, when it is at hand, for exact token boundaries (`tokenizer_option`, `pieces_option_value`).
 """
 

@@ -5,7 +5,7 @@ import json
 from click.testing import CliRunner
 
 from protocol import prereg
-from retention.cli import main, protocol_cmds
+from retention.cli import confirm_cmd, main
 
 
 def _cli(args):
@@ -29,7 +29,7 @@ def _confirm(plan, out, *extra):
 
 def test_a_dirty_tree_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     plan = _plan(tmp_path)
-    monkeypatch.setattr(protocol_cmds, "tree_is_dirty", lambda: True)
+    monkeypatch.setattr(confirm_cmd, "tree_is_dirty", lambda: True)
     out = tmp_path / "confirm"
     res = _confirm(plan, out)
     assert res.exit_code == 1
@@ -40,7 +40,7 @@ def test_a_dirty_tree_is_refused_before_anything_is_written(tmp_path, monkeypatc
 
 def test_allow_dirty_confirms_with_a_logged_deviation(tmp_path, monkeypatch):
     plan = _plan(tmp_path)
-    monkeypatch.setattr(protocol_cmds, "tree_is_dirty", lambda: True)
+    monkeypatch.setattr(confirm_cmd, "tree_is_dirty", lambda: True)
     out = tmp_path / "confirm"
     res = _confirm(plan, out, "--allow-dirty")
     assert res.exit_code == 0, res.output
