@@ -371,79 +371,98 @@ def run_arms(loaded, arms: list[Arm], problems, settings: RunSettings, *, shard=
     each sequence's cache held, `retention.runtime.trace.CacheTracer`, into its trace line). shard: a
     `retention.runs.shard.Shard` to generate only its pairs (None: all of them).
     """
-    samples, base_seed, fidelity = settings.problems.samples, settings.sampling.seed, settings.fidelity
-    out = settings.output
-    batch_size, grade, progress, trace = out.batch_size, out.grade, out.progress, out.trace
+    samples, trace = settings.problems.samples, settings.output.trace
     mixed = [a.run.path for a in arms if a.run.trace != trace]
     if mixed:  # a traced directory takes only traced records, and the other way round
         raise RetentionError(f"{mixed[0]} is opened with trace={not trace}, the run with trace={trace}")
-    grader = grading.grade if grade else None
-    tok = loaded.tokenizer
     eos = _eos_ids(loaded)
     kib = loaded.geometry.kib_per_token
     prompts = run_prompts(loaded, problems)  # all of them, in every shard: the longest sizes the rows
     longest = max(map(len, prompts.values()), default=0)
+    slots = _arm_slots(loaded, arms, len(problems) * samples, settings, longest)
+    total, missing = count_pending(arms, problems, samples, shard)
+    bar = tqdm(total=total, initial=total - missing, disable=not settings.output.progress, unit="seq",
+               dynamic_ncols=True)
+    for arm, S in zip(arms, slots):
+        _run_arm(loaded, arm, S, problems, prompts, settings, eos=eos, kib=kib, longest=longest, shard=shard, bar=bar)
+    bar.close()
+
+
+def _arm_slots(loaded, arms: list[Arm], pairs: int, settings: RunSettings, longest: int) -> list[int]:
+    """Each arm's slot count (`retention.runs.slots.resolve_slots`) from the run's `batch_size`, or, when
+    that is None, from one chosen for the device's memory by the arms' cadences, the generation limit
+    and the `longest` prompt (`auto_batch_size`; its reason is said on stderr). pairs: the
+    (problem, sample) pairs of the whole run."""
+    batch_size = settings.output.batch_size
     explicit = batch_size is not None
     if batch_size is None:
         choice = auto_batch_size(loaded, [a.spec.cadence for a in arms], settings.sampling.max_new_tokens, longest,
-                                 fidelity, len(problems) * samples)
+                                 settings.fidelity, pairs)
         print(choice.why, file=sys.stderr)
         batch_size = choice.slots
-    slots = resolve_slots(arms, batch_size, len(problems) * samples, explicit)
-    total, missing = count_pending(arms, problems, samples, shard)
-    bar = tqdm(total=total, initial=total - missing, disable=not progress, unit="seq", dynamic_ncols=True)
-    for arm, S in zip(arms, slots):
-        # The sampler is the arm configuration's (absent: the legacy one), whatever the caller passed.
-        cfg = SamplingConfig(**settings.sampling.engine_args(),
-                             sampler=arm.spec.config.get("sampler", LEGACY_SAMPLER))
-        # Pairs are drawn lazily as slots free: nothing is allocated per sample.
-        pending = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)
-                   if not arm.run.records.has(problems[i].unique_id, s))
-        first = next(pending, None)
-        if first is None:  # this arm is complete
-            continue
-        reqs = (Request((p, s), prompts[p.unique_id], derive_seed(base_seed, p.unique_id, s))
-                for p, s in itertools.chain([first], pending))
+    return resolve_slots(arms, batch_size, pairs, explicit)
 
-        def on_finish(req, g, _arm=arm, _S=S):
-            p, s = req.key
-            record = _record(_arm, p, s, req.seed, req.prompt_ids, g, tok, grader, _S)
-            steps, tokens = g.meter.trace()
-            cache = None if g.trace is None else g.trace.to_json()
-            _arm.run.append_trace(p.unique_id, s, steps, tokens, cache)
-            _arm.run.records.append(record)
-            bar.update(1)
 
-        def on_step(st, _arm=arm):
-            if st.steps % 8 == 0:
-                bar.set_postfix_str(f"{_arm.spec.name} {st.tokens_per_second:.1f} tok/s, {st.busy} slots busy",
-                                    refresh=False)
-                bar.refresh()
+def _run_arm(loaded, arm: Arm, S: int, problems, prompts, settings: RunSettings, *, eos, kib, longest, shard,
+             bar) -> None:
+    """Decode `arm`'s missing (problem, sample) pairs of `shard` on `S` slots, writing each record and its
+    trace line as its sequence ends and advancing `bar`; nothing when the arm is complete. A plugin's
+    exception while decoding, or a module it imports then, is refused in one line naming it (the records
+    already written are kept). prompts: token ids by problem id; eos, kib: the model's end-of-sequence ids
+    and KiB per cached token; longest: the longest prompt of the run (it sizes the rows)."""
+    samples, out = settings.problems.samples, settings.output
+    tok = loaded.tokenizer
+    grader = grading.grade if out.grade else None
+    # The sampler is the arm configuration's (absent: the legacy one), whatever the caller passed.
+    cfg = SamplingConfig(**settings.sampling.engine_args(),
+                         sampler=arm.spec.config.get("sampler", LEGACY_SAMPLER))
+    # Pairs are drawn lazily as slots free: nothing is allocated per sample.
+    pending = ((problems[i], s) for i, s in shard_pairs(len(problems), samples, shard)
+               if not arm.run.records.has(problems[i].unique_id, s))
+    first = next(pending, None)
+    if first is None:  # this arm is complete
+        return
+    reqs = (Request((p, s), prompts[p.unique_id], derive_seed(settings.sampling.seed, p.unique_id, s))
+            for p, s in itertools.chain([first], pending))
 
-        policy = arm.spec.policy()
-        if trace:
-            policy.tracer = CacheTracer()
-        policy.prepare(tok)
-        modules_before = set(sys.modules)
-        try:
-            run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=S, fidelity=fidelity, max_prompt=longest,
-                       on_finish=on_finish, on_step=on_step if progress else None)
-        except GuardRefusal:  # a plugin's broken output: its own line names it (`retention.policy.guard`)
+    def on_finish(req, g):
+        p, s = req.key
+        record = _record(arm, p, s, req.seed, req.prompt_ids, g, tok, grader, S)
+        steps, tokens = g.meter.trace()
+        cache = None if g.trace is None else g.trace.to_json()
+        arm.run.append_trace(p.unique_id, s, steps, tokens, cache)
+        arm.run.records.append(record)
+        bar.update(1)
+
+    def on_step(st):
+        if st.steps % 8 == 0:
+            bar.set_postfix_str(f"{arm.spec.name} {st.tokens_per_second:.1f} tok/s, {st.busy} slots busy",
+                                refresh=False)
+            bar.refresh()
+
+    policy = arm.spec.policy()
+    if out.trace:
+        policy.tracer = CacheTracer()
+    policy.prepare(tok)
+    modules_before = set(sys.modules)
+    try:
+        run_engine(loaded.model, reqs, policy, cfg, eos, kib, batch_size=S, fidelity=settings.fidelity,
+                   max_prompt=longest, on_finish=on_finish, on_step=on_step if out.progress else None)
+    except GuardRefusal:  # a plugin's broken output: its own line names it (`retention.policy.guard`)
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
+        plugins = arm.spec.plugins()
+        if not plugins:
             raise
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure is the user's input, not our bug
-            plugins = arm.spec.plugins()
-            if not plugins:
-                raise
-            named = " or ".join(f"{p.partition(':')[0]} plugin {p.partition(':')[2]!r}" for p in plugins)
-            raise RetentionError(f"{named} raised during decoding ({type(exc).__name__}: "
-                                 f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
-                                 "to resume") from exc
-        late = loaded_outside_since(modules_before) if arm.spec.plugins() else []
-        if late:  # code that decided these records but is in no identity: said, not silently mixed
-            raise RetentionError(f"{', '.join(arm.spec.plugins())} imported {late[0]}"
-                                 f"{f' and {len(late) - 1} more' if len(late) > 1 else ''} while decoding: not part "
-                                 "of its identity; import it at the plugin's module level and rerun in a new --out")
-    bar.close()
+        named = " or ".join(f"{p.partition(':')[0]} plugin {p.partition(':')[2]!r}" for p in plugins)
+        raise RetentionError(f"{named} raised during decoding ({type(exc).__name__}: "
+                             f"{exc}); the {len(arm.run.records.done)} record(s) written are kept, rerun "
+                             "to resume") from exc
+    late = loaded_outside_since(modules_before) if arm.spec.plugins() else []
+    if late:  # code that decided these records but is in no identity: said, not silently mixed
+        raise RetentionError(f"{', '.join(arm.spec.plugins())} imported {late[0]}"
+                             f"{f' and {len(late) - 1} more' if len(late) > 1 else ''} while decoding: not part "
+                             "of its identity; import it at the plugin's module level and rerun in a new --out")
 
 
 def _eos_ids(loaded) -> set[int]:
