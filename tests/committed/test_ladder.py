@@ -1,0 +1,108 @@
+"""The 1.5B budget ladder (`results/ladder-qwen1.5b/`, issue 44 item 3) recomputed from its records alone.
+
+Every figure of the README's table is computed again here with code of this test's own (not
+`protocol.diagnostics`, which `scripts/ladder_table.py` used to print the table): accuracy, acc_strict,
+the truncated, looping and compacted shares, the share of each answer written after its first compaction
+(from the cache traces), the prompt held at the end, the mean cache and the mean output length; and the
+full cache's truncation at shorter limits. Each committed run has its row and each row its run. The slow
+test grades every answer again from its text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from protocol import grading
+from protocol.data import load_problems
+
+FOLDER = Path(__file__).resolve().parents[2] / "results" / "ladder-qwen1.5b"
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _runs() -> dict[tuple[str, str], Path]:
+    """(scorer, budget or "full") -> run folder."""
+    out = {}
+    for d in sorted((FOLDER / "runs").iterdir()):
+        cfg = json.loads((d / "config.json").read_text())["config"]
+        out[(cfg["scorer"], "full" if cfg["budget"] is None else str(cfg["budget"]))] = d
+    return out
+
+
+def _table() -> dict[tuple[str, str], list[str]]:
+    rows = {}
+    for line in (FOLDER / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 11 and re.fullmatch(r"[0-9.]+ \(\d+/\d+\)", cells[2]):
+            rows[(cells[0], cells[1])] = cells[2:]
+    return rows
+
+
+def _loops(ids: list[int]) -> bool:
+    """The last 192 ids repeat with a period of 64 or less."""
+    tail = ids[-192:]
+    return len(ids) >= 192 and any(tail[p:] == tail[:-p] for p in range(1, 65))
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def _figures(run: Path) -> list[str]:
+    recs = _jsonl(run / "records.jsonl")
+    first = {(t["problem_id"], t["sample"]): (t["cache"]["compactions"][0]["step"] if t["cache"]["compactions"] else None)
+             for t in _jsonl(run / "trace.jsonl")}
+    n = len(recs)
+    right = [r["verdict"] is True for r in recs]
+    after = []
+    for r in recs:
+        step = first[(r["problem_id"], r["sample"])]
+        assert (step is None) == (r["compactions"] == 0)
+        after.append(0.0 if step is None else max(r["output_tokens"] - step, 0) / r["output_tokens"])
+    held = [r["prompt_held_final"] for r in recs if r["prompt_held_final"] is not None]
+    return [f"{_pct(sum(right) / n)} ({sum(right)}/{n})",
+            _pct(sum(ok and r["finish_reason"] != "length" for ok, r in zip(right, recs)) / n),
+            _pct(sum(r["finish_reason"] == "length" for r in recs) / n),
+            _pct(sum(_loops(r["output_token_ids"]) for r in recs) / n),
+            _pct(sum(r["compactions"] > 0 for r in recs) / n),
+            _pct(sum(after) / n),
+            _pct(sum(held) / len(held)) if held else "-",
+            f"{sum(r['cache_mean_tokens'] for r in recs) / n:.1f}",
+            f"{sum(r['output_tokens'] for r in recs) / n:.0f}"]
+
+
+def test_every_run_has_its_row_and_every_row_its_run():
+    assert set(_runs()) == set(_table())
+
+
+@pytest.mark.parametrize("arm", sorted(_runs()) if (FOLDER / "runs").is_dir() else [])
+def test_table_row_is_its_records(arm):
+    run = _runs()[arm]
+    cfg = json.loads((run / "config.json").read_text())["config"]
+    recs = _jsonl(run / "records.jsonl")
+    assert len({(r["problem_id"], r["sample"]) for r in recs}) == len(recs) == cfg["limit"]
+    assert _figures(run) == _table()[arm]
+
+
+def test_full_cache_truncation_at_shorter_limits():
+    recs = _jsonl(_runs()[("full", "full")] / "records.jsonl")
+    limit = json.loads((_runs()[("full", "full")] / "config.json").read_text())["config"]["max_new_tokens"]
+    line = next(x for x in (FOLDER / "README.md").read_text().splitlines() if x.startswith("full cache, truncated at"))
+    for L in (512, 768, limit):
+        cut = sum(r["output_tokens"] > L or (r["output_tokens"] == L and r["finish_reason"] == "length") for r in recs)
+        assert f"L={L}: {_pct(cut / len(recs))}%" in line
+
+
+@pytest.mark.slow
+def test_every_verdict_graded_again_from_its_text():
+    problems = {p.unique_id: p.problem for p in load_problems()}
+    for run in _runs().values():
+        for r in _jsonl(run / "records.jsonl"):
+            g = grading.grade(r["text"], r["gold"], problem=problems[r["problem_id"]], finish_reason=r["finish_reason"])
+            assert (g.verdict is True) == (r["verdict"] is True), (run.name, r["problem_id"])
