@@ -106,3 +106,46 @@ def test_every_verdict_graded_again_from_its_text():
         for r in _jsonl(run / "records.jsonl"):
             g = grading.grade(r["text"], r["gold"], problem=problems[r["problem_id"]], finish_reason=r["finish_reason"])
             assert (g.verdict is True) == (r["verdict"] is True), (run.name, r["problem_id"])
+
+
+def _paired_rows() -> dict[tuple[str, str], list[str]]:
+    """The README's "arm vs full" table: (scorer, budget) -> [Δ pp, CI, p, verdict]."""
+    names = {"TriAttention": "triattention", "α": "alpha", "random-pp": "random-pp"}
+    rows = {}
+    for line in (FOLDER / "README.md").read_text().splitlines():
+        m = re.fullmatch(r"\| (\S+) (\d+) \| ([-+0-9.]+) \| (\[.*\]) \| (\S+) \| (\S+) \|", line.strip())
+        if m and m.group(1) in names:
+            rows[(names[m.group(1)], m.group(2))] = [m.group(3), m.group(4), m.group(5), m.group(6)]
+    return rows
+
+
+def test_paired_differences_are_the_records_and_the_report():
+    """Each Δ recomputed from the paired records; its CI, p and verdict are the committed report's."""
+    runs, rows = _runs(), _paired_rows()
+    assert set(rows) == {arm for arm in runs if arm != ("full", "full")}
+    base = {(r["problem_id"], r["sample"]): r["verdict"] is True for r in _jsonl(runs[("full", "full")] / "records.jsonl")}
+    report = (FOLDER / "report.txt").read_text().splitlines()
+    for (scorer, budget), (delta, ci, p, verdict) in rows.items():
+        arm = {(r["problem_id"], r["sample"]): r["verdict"] is True for r in _jsonl(runs[(scorer, budget)] / "records.jsonl")}
+        assert set(arm) == set(base)
+        assert f"{100 * (sum(arm.values()) - sum(base.values())) / len(arm):+.2f}" == delta
+        label = "random-pp+pp-in" if scorer == "random-pp" else scorer
+        (line,) = [x for x in report if f"{budget} vs full" in x and f" {label} vs full " in x]
+        cells = line.split()
+        assert delta in cells and p in cells and verdict in cells and " ".join(ci.split()) in " ".join(cells)
+
+
+def test_guessing_baseline():
+    """Golds 0..6: their share of the problems, and of each arm's correct answers, as the README states."""
+    small = re.compile(r"[0-6]")
+    text = (FOLDER / "README.md").read_text()
+    recs = {arm: _jsonl(run / "records.jsonl") for arm, run in _runs().items()}
+    golds = [small.fullmatch(str(r["gold"]).strip().strip("$").strip()) is not None for r in recs[("full", "full")]]
+    assert f"{_pct(sum(golds) / len(golds))}% of these 64 problems" in text
+    share = {arm: (lambda right: sum(small.fullmatch(str(r["gold"]).strip()) is not None for r in right) / len(right))(
+        [r for r in rs if r["verdict"] is True]) for arm, rs in recs.items()}
+    assert f"{_pct(share[('full', 'full')])}% of the full cache's correct answers" in text
+    at256 = sorted(round(100 * v) for (s, b), v in share.items() if b == "256")
+    assert f"{at256[0]}–{at256[-1]}% of the 256 arms'" in text
+    assert (f"{round(100 * share[('alpha', '128')])}% (α), {round(100 * share[('triattention', '128')])}% (TriAttention) "
+            f"and {round(100 * share[('random-pp', '128')])}% (`random-pp`)") in " ".join(text.split())
