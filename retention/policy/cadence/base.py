@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from retention.errors import RetentionError
-from retention.policy.settings import trivial_setting
+from retention.policy.settings import TrivialSetting
 
 ACCOUNTING_MODES = ("mean", "prefill", "peak")
 # What an arm does with the prompt: an ordinary candidate; protected and counted inside b (the
@@ -84,7 +84,7 @@ def nominal_budget(budget: int, interval: int, accounting: str) -> int:
 
 
 @dataclass(frozen=True)
-class Cadence:
+class Cadence(TrivialSetting):
     """Interval cadence with a nominal target (`fixed`). `budget=None` means no eviction (the `full` row)."""
 
     name: ClassVar[str] = "fixed"
@@ -152,16 +152,6 @@ class Cadence:
         """This cadence's own parameters beyond the fixed cadence's (recorded in the configuration)."""
         return {}
 
-    @classmethod
-    def trivial(cls) -> dict | None:
-        """Parameters under which this cadence must behave exactly as `fixed` (checked), or None."""
-        return None
-
-    def is_trivial(self) -> bool:
-        """Whether this instance is at a setting that behaves exactly as the family's default (its
-        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
-        at `trivial()`'s values."""
-        return trivial_setting(self, self.trivial())
 
     @property
     def prompt_rule(self) -> str:

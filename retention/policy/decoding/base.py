@@ -27,11 +27,11 @@ from typing import ClassVar
 
 import torch
 
-from retention.policy.settings import trivial_setting
+from retention.policy.settings import TrivialSetting
 
 
 @dataclass
-class Decoding:
+class Decoding(TrivialSetting):
     """Base class and the `none` mechanism: logits pass through unchanged."""
 
     name: ClassVar[str] = "none"
@@ -47,13 +47,3 @@ class Decoding:
         """Tokens this mechanism has banned in slot `slot`'s current sequence (recorded per record)."""
         return 0
 
-    @classmethod
-    def trivial(cls) -> dict | None:
-        """Parameters under which this mechanism must behave exactly as `none` (checked), or None."""
-        return None
-
-    def is_trivial(self) -> bool:
-        """Whether this instance is at a setting that behaves exactly as the family's default (its
-        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
-        at `trivial()`'s values."""
-        return trivial_setting(self, self.trivial())

@@ -56,12 +56,12 @@ import torch
 from retention.errors import RetentionError
 from retention.policy.routing.allocation import keep_ranks, kept_by_counts, padded_indices
 from retention.policy.scoring.base import Scorer
-from retention.policy.settings import trivial_setting
+from retention.policy.settings import TrivialSetting
 from retention.runtime.cache import Allocation
 
 
 @dataclass
-class Routing:
+class Routing(TrivialSetting):
     """Base class and the `native` routing: the scorer's own kept-set structure."""
 
     name: ClassVar[str] = "native"
@@ -104,16 +104,6 @@ class Routing:
         """Refuse, in one line, a scorer or a cache layout (`head_dims` None: latent or shared
         stores) this routing cannot route; called when the arm is built, before any model work."""
 
-    @classmethod
-    def trivial(cls) -> dict | None:
-        """Parameters under which this routing must behave exactly as `native` (checked), or None."""
-        return None
-
-    def is_trivial(self) -> bool:
-        """Whether this instance is at a setting that behaves exactly as the family's default (its
-        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
-        at `trivial()`'s values."""
-        return trivial_setting(self, self.trivial())
 
     def select(self, scorer, scores: torch.Tensor, view, k: int) -> torch.Tensor:
         """Kept indices for `k` tokens per (layer,) row and KV head: the scorer's own selection."""

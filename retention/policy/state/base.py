@@ -51,13 +51,13 @@ from typing import ClassVar
 import torch
 
 from retention.errors import RetentionError
-from retention.policy.settings import trivial_setting
+from retention.policy.settings import TrivialSetting
 
 SCALE_BYTES = 2  # a scale or zero point is stored as a 16-bit float
 
 
 @dataclass
-class State:
+class State(TrivialSetting):
     """Base class and the `full` state: kept tokens stay as the model wrote them."""
 
     name: ClassVar[str] = "full"
@@ -101,16 +101,6 @@ class State:
         meter's `row_kib` equals it after every forward)."""
         return cache.lengths[row] * kib_per_token
 
-    @classmethod
-    def trivial(cls) -> dict | None:
-        """Parameters under which this mechanism must behave exactly as `full` (checked), or None."""
-        return None
-
-    def is_trivial(self) -> bool:
-        """Whether this instance is at a setting that behaves exactly as the family's default (its
-        arm is then the default's cell: `retention.runs.canonical`); by default, `trivial()`'s keys
-        at `trivial()`'s values."""
-        return trivial_setting(self, self.trivial())
 
     def tokens_for_kib(self, kib: float, kib_per_token: float, head_dims, layers: int, heads: int, span: int) -> int:
         """The token budget `B` whose measured mean stays within `kib` KiB per sequence under this
