@@ -8,7 +8,11 @@ reached, a state's own bytes where it reports them) and the arm gets `floor(memo
 (capped at `max_slots`). Every arm then decodes the same number of sequences (default: the most slots
 any arm got, so each arm fills its slots at least once) of the same prompt, EOS ignored, through the
 batched engine at its own slot count, refilling freed slots as a run does; prefills count in its
-time. The arms step in turn (one engine step of each, round robin, until all are done) so that
+time (`tokens_per_second`). `decode_tokens_per_second` leaves out the time of starting sequences
+(prefills, prefill compactions, first tokens: `EngineStats.start_seconds`): the figure of a long
+generation, where a prompt's start is a small share, measured with a long prompt instead of thousands
+of generated tokens (a step's cost depends on the tokens held, not on where they came from). Copies of
+one prompt share one prefill forward (`Engine.share_prefill`). The arms step in turn (one engine step of each, round robin, until all are done) so that
 machine noise hits them alike; an arm's tokens/s is its tokens over the seconds of its own steps.
 """
 
@@ -95,13 +99,18 @@ def equal_memory_rows(loaded, prompt: list[int], arms: list[MemoryArm], policy_o
                "tokens": None, "seconds": None, "tokens_per_second": None}
         if a.slots:
             st = engines[a].stats
+            decode_s = seconds[a] - st.start_seconds  # the steps' own time: starts are what a long prompt costs
             row.update(tokens=st.tokens, seconds=seconds[a], tokens_per_second=st.tokens / seconds[a],
-                       prefill_seconds=st.prefill_seconds, steps=st.steps)
+                       prefill_seconds=st.prefill_seconds, start_seconds=st.start_seconds, steps=st.steps,
+                       decode_tokens_per_second=(st.tokens - st.finished) / decode_s if decode_s > 0 else None)
         out.append(row)
     full = next((r for r in out if r["variant"] == "full" and r["tokens_per_second"]), None)
     for r in out:
         r["vs_full"] = (r["tokens_per_second"] / full["tokens_per_second"]
                         if full is not None and r["tokens_per_second"] else None)
+        r["decode_vs_full"] = (r["decode_tokens_per_second"] / full["decode_tokens_per_second"]
+                               if full is not None and r.get("decode_tokens_per_second")
+                               and full.get("decode_tokens_per_second") else None)
     return out
 
 
@@ -109,18 +118,18 @@ def format_memory_table(memory_mib: float, rows: list[dict], equal_slot: list[di
     """The equal-memory table beside the equal-slot figures of the same arms (one line per arm)."""
     same = {(r["variant"], r["accounting"]): r for r in equal_slot}
     full_same = next((r for r in equal_slot if r["variant"] == "full"), None)
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     lines = [f"equal memory: {memory_mib:g} MiB of KV cache per arm",
-             f"{'arm':>22} {'KiB/seq':>9} | {'slots':>5} {'tok/s':>9} {'x full':>6} | "
-             f"{'slots':>5} {'tok/s':>9} {'x full':>6}   (equal memory | equal slots)"]
+             f"{'arm':>22} {'KiB/seq':>9} | {'slots':>5} {'tok/s':>9} {'x full':>6} {'decode':>9} {'x full':>6} | "
+             f"{'slots':>5} {'tok/s':>9} {'x full':>6}   (equal memory, all / decode steps only | equal slots)"]
     for r in rows:
         s = same[(r["variant"], r["accounting"])]
         x_same = s["tokens_per_second"] / full_same["tokens_per_second"] if full_same else None
-        tps = "-" if r["tokens_per_second"] is None else f"{r['tokens_per_second']:.1f}"
-        xm = "-" if r["vs_full"] is None else f"{r['vs_full']:.2f}"
         cap = "+" if r["slots_capped"] else " "
         lines.append(f"{r['variant'] + '/' + r['accounting']:>22} {r['peak_kib_per_sequence']:9.1f} | "
-                     f"{r['slots']:>4}{cap} {tps:>9} {xm:>6} | {s['batch_size']:>5} "
-                     f"{s['tokens_per_second']:9.1f} {'-' if x_same is None else f'{x_same:.2f}':>6}")
+                     f"{r['slots']:>4}{cap} {fmt(r['tokens_per_second'], '9.1f')} {fmt(r['vs_full'], '6.2f')} "
+                     f"{fmt(r.get('decode_tokens_per_second'), '9.1f')} {fmt(r.get('decode_vs_full'), '6.2f')} | "
+                     f"{s['batch_size']:>5} {s['tokens_per_second']:9.1f} {fmt(x_same, '6.2f')}")
     if any(r["slots_capped"] for r in rows):
         lines.append("+: the memory holds more slots than --memory-max-slots; capped there")
     return "\n".join(lines)

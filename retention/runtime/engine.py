@@ -10,7 +10,10 @@ as a single sequence would be), then its stored tokens are copied into its slot'
 below) the prompts that start together (the first `S`, then the slots freed by one step) are
 prefilled in right-padded forwards of about a thousand tokens (`retention.runtime.prefill`; one at a
 time where the scorer reads the forward itself, `Scorer.batch_prefill`), each split into a cache of
-its own row. A slot whose
+its own row. A request whose prompt repeats the one started just before it in the same refill
+(samples of one problem, a benchmark's copies) starts from a copy of that forward's cache, taken before
+the prefill compaction (`share_prefill`, on by default; not where the scorer reads the forward itself):
+the same stored tokens a forward of its own would give. A slot whose
 sequence ends (EOS or length) hands its `Generation` to `on_finish` at once and takes the next
 request; when the queue is empty it stays in the batch as a padding row (one stored token, its
 output discarded, never compacted, no meter), so every decode step of a run has `S` rows until the
@@ -98,7 +101,7 @@ class Engine:
                  eos_token_ids: set[int], kib_per_token: float, *, batch_size: int = 1, fidelity: bool = False,
                  keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                  on_token: Callable[[int, BudgetMeter], None] | None = None, max_prompt: int | None = None,
-                 shrink: bool = True, batch_prefill: bool = False):
+                 shrink: bool = True, batch_prefill: bool = False, share_prefill: bool = True):
         self.model, self.policy, self.sampling, self.eos = model, policy, sampling, set(eos_token_ids)
         self.kib, self.fidelity, self.keep_logits = kib_per_token, fidelity, keep_logits
         self.on_finish, self.on_token = on_finish, on_token
@@ -120,6 +123,11 @@ class Engine:
         self._probe = TailProbe(model) if self.shrink else None
         # Opt-in: prompts that start together share a forward unless the scorer reads the forward itself.
         self.batch_prefill = batch_prefill and not self.adapter.reference and policy.batch_prefill
+        # Requests with the same prompt (samples of one problem, a bench's copies) that start together share
+        # one prefill forward: the copy is bit for bit what a forward of its own would store (the same
+        # arithmetic on the same tokens, alone), so no record changes. Not where the scorer reads the
+        # forward itself (its recorded queries are not in the cache) nor on a layout model.
+        self.share_prefill = share_prefill and not self.adapter.reference and policy.batch_prefill
         self.stats = EngineStats(busy=self.S, rows=self.S)
         self.slots: list[SequenceState | None] = []  # the sequence of each slot (row); None: padding
         self.cache: RetentionCache | None = None
@@ -157,11 +165,20 @@ class Engine:
         if self._next is None or n == 0:
             return []
         if n == 1 or not self.batch_prefill:
-            out = []
+            out, kept = [], None  # kept: (prompt, logits, pristine cache) of the last forward, for the next request
             while self._next is not None and len(out) < n:
                 st = self._begin(slots[len(out)])
-                lg, tmp = prefill_alone(self.adapter, st.req.prompt_ids, st.slot, self.policy, self.device)
-                self.stats.prefill_batches += 1
+                prompt = st.req.prompt_ids
+                if kept is not None and kept[0] == prompt:  # the same prompt again: its forward's copy
+                    lg, tmp = kept[1].clone(), kept[2].take_rows([0])
+                    self.stats.shared_prefills += 1
+                else:
+                    lg, tmp = prefill_alone(self.adapter, prompt, st.slot, self.policy, self.device)
+                    self.stats.prefill_batches += 1
+                # Copy before the prefill compaction, only when the next queued request repeats this prompt.
+                nxt = self._next
+                kept = (prompt, lg.clone(), tmp.take_rows([0])) if (self.share_prefill and nxt is not None
+                                                            and len(out) + 1 < n and nxt.prompt_ids == prompt) else None
                 out.append(self._prefilled(st, lg, tmp, st.t0))
             return out
         states = []
@@ -220,6 +237,7 @@ class Engine:
         is empty): per slot, `(state, cache, reference cache)` or None (padding)."""
         got: dict[int, tuple] = {}
         pending = list(slots)
+        t0 = synced_now(self.device)
         while pending and self._next is not None:
             started = self._start(pending)
             retry = []
@@ -232,6 +250,7 @@ class Engine:
                 else:
                     got[st.slot] = (st, tmp, tmp_ref)
             pending = retry + pending[len(started):]
+        self.stats.start_seconds += synced_now(self.device) - t0
         return [got.get(slot) for slot in slots]
 
     def _load(self, slot: int, got) -> None:
@@ -398,7 +417,7 @@ def run_engine(model, requests: Iterable[Request], policy: StepPolicy, sampling:
                keep_logits: bool = False, on_finish: Callable[[Request, Generation], None] | None = None,
                on_token: Callable[[int, BudgetMeter], None] | None = None,
                on_step: Callable[[EngineStats], None] | None = None, max_prompt: int | None = None,
-               shrink: bool = True, batch_prefill: bool = False) -> EngineStats:
+               shrink: bool = True, batch_prefill: bool = False, share_prefill: bool = True) -> EngineStats:
     """Decode every request under `policy` in `batch_size` slots (see module doc).
 
     on_finish(request, generation): called as each sequence ends, in finishing order.
@@ -407,7 +426,7 @@ def run_engine(model, requests: Iterable[Request], policy: StepPolicy, sampling:
     """
     eng = Engine(model, requests, policy, sampling, eos_token_ids, kib_per_token, batch_size=batch_size,
                  fidelity=fidelity, keep_logits=keep_logits, on_finish=on_finish, on_token=on_token,
-                 max_prompt=max_prompt, shrink=shrink, batch_prefill=batch_prefill)
+                 max_prompt=max_prompt, shrink=shrink, batch_prefill=batch_prefill, share_prefill=share_prefill)
     with torch.inference_mode(), policy.attach(model):
         eng.fill()
         while eng.rows:

@@ -48,6 +48,8 @@ class EngineStats:
     compaction_seconds: float = 0.0
     prefill_seconds: float = 0.0
     prefill_batches: int = 0  # prefill forwards (one per prompt alone; one per chunk of prompts together)
+    start_seconds: float = 0.0  # starting sequences: prefills, prefill compactions, first tokens (`_admit`)
+    shared_prefills: int = 0  # prompts that started from a copy of the previous identical prompt's forward
     fidelity_seconds: float = 0.0  # the reference forward and the KL figures of the decode steps
     allocated_bytes: int = 0
     host_syncs: int = 0  # deliberate host reads of decode steps (the docstring's one per step)

@@ -259,3 +259,28 @@ def test_padding_rows_are_never_due(stats_path):
     cache.lengths, cache.prompt_lengths, cache.slots = [full, full], [3, 3], [0, 1]
     assert pol.due_rows(cache, prefill=False) == [0, 1]
     assert pol.due_rows(cache, prefill=False, active=[False, True]) == [1]
+
+
+@pytest.mark.parametrize("name,shared", [("triattention", 3), ("alpha", 3), ("snapkv", 0)])
+@pytest.mark.parametrize("batch_size", [6, 2])
+def test_repeated_prompts_share_one_prefill(tiny, stats_path, name, shared, batch_size):
+    """Requests that repeat the prompt started just before them (samples of one problem) start from a copy
+    of its forward: the same token ids, logits and meters as with a forward each; a scorer that reads the
+    forward itself (snapkv's recorded queries) prefills each prompt."""
+    a, b = PROMPTS[5], PROMPTS[2]
+    prompts = [a, a, a, b, b, a]
+    cfg = SamplingConfig(max_new_tokens=14, temperature=0.9, top_p=0.95, ignore_eos=True)
+    seeds = {i: 500 + i for i in range(6)}
+    on, st_on = decode(tiny.model, prompts, make_policy(name, stats_path), cfg, batch_size=batch_size,
+                       seeds=seeds, keep_logits=True)
+    off, st_off = decode(tiny.model, prompts, make_policy(name, stats_path), cfg, batch_size=batch_size,
+                         seeds=seeds, keep_logits=True, share_prefill=False)
+    for i in range(6):
+        assert on[i].token_ids == off[i].token_ids
+        assert all(torch.equal(x, y) for x, y in zip(on[i].step_logits, off[i].step_logits))
+        assert on[i].meter.summary() == off[i].meter.summary()
+    assert on[0].token_ids != on[1].token_ids  # the samples differ: only the prefill is shared
+    assert (st_off.prefill_batches, st_off.shared_prefills) == (6, 0)
+    # Batch 2 starts (a, a), then refills (a, b), (b, a) as both slots free at the same step: one copy.
+    want = shared if batch_size == 6 else min(shared, 1)
+    assert (st_on.prefill_batches, st_on.shared_prefills) == (6 - want, want)
