@@ -45,6 +45,7 @@ Plugins subclass `State` (entry-point group `retention.states`, `module:Class`, 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -72,6 +73,10 @@ class State(TrivialSetting):
 
     def reset_slot(self, slot: int, seed: int) -> None:
         """Engine slot `slot` starts a new sequence: drop that slot's state."""
+
+    def attach(self, model) -> contextlib.AbstractContextManager:
+        """The context the run's forwards run in (the packed `quant` store's attention); none here."""
+        return contextlib.nullcontext()
 
     def before_compaction(self, cache, rows: list[int], keep: torch.Tensor, view) -> None:
         """Rewrite kept tokens' stored tensors before the cache keeps only `keep`."""
