@@ -13,8 +13,9 @@ model's original implementation otherwise (a plain cache: a prefill, the fidelit
 handle that reaches any other attention makes NaN logits, never a plausible wrong token.
 
 `attend` reads the ring (the full-precision tokens) and then the token axis in chunks of `CHUNK`
-tokens: each chunk's codes are unpacked and dequantised (to the model's dtype, as the view and the
-simulated store hold them), scored, and merged into a running log-sum-exp (online softmax: running
+tokens: each chunk's codes are unpacked and dequantised (float32, not rounded to the model's dtype:
+a bfloat16 model's attention reads them a rounding more exactly than the view, which rounds them, and
+the simulated store, which holds them rounded), scored, and merged into a running log-sum-exp (online softmax: running
 max `m`, denominator `l`, output `o`, all in float32, float64 on a float64 model), so no step holds
 more than a chunk of dequantised keys and values. Masking is by the store itself, not the mask
 transformers passes: a token-axis entry counts where it is within its row's width, not a hole
@@ -33,7 +34,7 @@ import torch
 
 from retention.errors import RetentionError
 from retention.runtime.capture import CAPTURE_NAME
-from retention.runtime.packed_kv import CHUNK, PackedKV, dequantise
+from retention.runtime.packed_kv import CHUNK, PackedKV, codes_kv
 
 PACKED_NAME = "retention_packed"
 _REGISTERED: dict[str, str] = {}  # packed name -> the original implementation it delegates to
@@ -82,7 +83,7 @@ def attend(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
     slot_b, pos_b = layer.stores["slot"], layer.pbuf
     for c0 in range(0, w, CHUNK):
         c1 = min(w, c0 + CHUNK)
-        k, v = dequantise(layer, None, c0, c1)  # [S, G, c, d] model dtype
+        k, v = codes_kv(layer, lambda b: b[:, :, c0:c1], lambda b: b)  # [S, G, c, d] float32
         pos = pos_b[:, :, c0:c1]
         ok = (slot_b[:, :, c0:c1] > 0) & (pos >= 0) & \
              (torch.arange(c0, c1, device=pos.device)[None, None, :] < widths[:, None, None])  # [S, G, c]

@@ -222,22 +222,44 @@ def dequantise_at(layer, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 def _dequantise(layer, take, rows) -> tuple[torch.Tensor, torch.Tensor]:
     pk: PackedKV = layer.packed
-    spec, st = pk.spec, layer.stores
-    slot, pos = take(st["slot"]), take(layer.pbuf)
-    if spec.keys == "channel":
-        tab = rows(pk.table)
-        ti = (slot.long() - 1).clamp(min=0)
-        kg = torch.gather(tab, 2, ti[..., None, None].expand(*ti.shape, *tab.shape[3:]))  # [B, G, c, dk, 2]
-    else:
-        kg = _grouped_grid(take(st["sk"]), spec.group)
-    k = decode(unpack(take(st["qk"]), spec.bits), kg, spec)
-    v = decode(unpack(take(st["qv"]), spec.bits), _grouped_grid(take(st["sv"]), spec.group), spec)
-    e = torch.remainder(pos, spec.ring)
+    k, v = (x.to(pk.spec.dtype) for x in codes_kv(layer, take, rows))
+    pos, slot = take(layer.pbuf), take(layer.stores["slot"])
+    e = torch.remainder(pos, pk.spec.ring)
     rk, rv = rows(pk.ring_k), rows(pk.ring_v)
     rk = torch.gather(rk, 2, e[..., None].expand(*e.shape, rk.shape[-1]))
     rv = torch.gather(rv, 2, e[..., None].expand(*e.shape, rv.shape[-1]))
     quant = (slot > 0)[..., None]
     return torch.where(quant, k, rk), torch.where(quant, v, rv)
+
+
+def codes_kv(layer, take, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the codes of the entries `take` selects (a function of a token-axis store, `[B, G, c, ...]`)
+    dequantise to, keys and values `[B, G, c, d]` float32, unrounded (`decode`'s arithmetic before its
+    rounding to the model's dtype, per group by broadcasting: no per-channel copy of a grid); `rows`
+    selects the side buffers' rows.
+    Entries in full precision (`slot == 0`) give whatever their stale codes say: callers mask them."""
+    pk: PackedKV = layer.packed
+    spec, st = pk.spec, layer.stores
+    ck = unpack(take(st["qk"]), spec.bits).float()  # [B, G, c, dk]
+    if spec.keys == "channel":
+        slot = take(st["slot"])
+        tab = rows(pk.table)  # [B, G, C, dk, 2]
+        B, G, C = tab.shape[:3]
+        # One row lookup per token (index_select over the flattened table: far cheaper than a gather).
+        flat = torch.arange(B * G, device=tab.device).view(B, G, 1) * C + (slot.long() - 1).clamp(min=0)
+        kg = tab.reshape(B * G * C, -1).index_select(0, flat.reshape(-1)).view(*slot.shape, -1, 2).float()
+        k = ck * kg[..., 0] + kg[..., 1]
+    else:
+        k = _grouped_decode(ck, take(st["sk"]), spec.group)
+    v = _grouped_decode(unpack(take(st["qv"]), spec.bits).float(), take(st["sv"]), spec.group)
+    return k, v
+
+
+def _grouped_decode(codes: torch.Tensor, g: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 codes `[..., d]` on per-group grids `[..., d / group, 2]`: `code x s + lo` (float32)."""
+    gf = g.float()
+    x = codes.reshape(*codes.shape[:-1], -1, group) * gf[..., 0:1] + gf[..., 1:2]
+    return x.reshape(codes.shape)
 
 
 def _grouped_grid(g: torch.Tensor, group: int) -> torch.Tensor:
