@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from retention.errors import RetentionError
-from retention.runtime.capture import CAPTURE_NAME
+from retention.runtime.capture import CAPTURE_NAME, _eager_for
 from retention.runtime.packed_kv import CHUNK, PackedKV, codes_kv
 
 PACKED_NAME = "retention_packed"
@@ -97,8 +97,6 @@ def attend(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
 def _make_fn(original: str) -> Callable:
     # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from retention.runtime.capture import _eager_for
 
     def packed_attention_fn(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         layer = getattr(key, "packed_layer", None)
