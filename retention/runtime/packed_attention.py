@@ -103,6 +103,9 @@ def _make_fn(original: str) -> Callable:
         if layer is None:  # a plain cache (prefill, the fidelity reference): the original, unchanged
             fn = _eager_for(module) if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
             return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        for what in ("sliding_window", "softcap"):  # attention this function does not compute: refused, not ignored
+            if kwargs.get(what) is not None:
+                raise RetentionError(f"the packed quant store has no attention with {what}; use quant.store=simulated")
         if scaling is None:
             scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
         return attend(query, layer, float(scaling)), None

@@ -156,3 +156,26 @@ def test_retention_check_recounts_packed_bytes_and_fails_a_broken_meter(tmp_path
     bad = {r.name: r for r in run_family_checks("state", f"{path}:Overcount", {})}
     assert bad["packed bytes"].ok is False and "packed tensors hold" in bad["packed bytes"].detail
     assert bad["physical eviction"].ok is False
+
+
+def test_a_packed_cache_attends_only_through_the_packed_attention(tiny):
+    """Outside `Quant.attach` a packed cache's handles reach the model's own attention and give NaN
+    logits (never a plausible token); inside, finite logits; the model's implementation is restored."""
+    from retention.runtime.adapter import ModelAdapter
+    from retention.runtime.cache import RetentionCache
+
+    ad, state = ModelAdapter(tiny.model), Quant(residual=4, group=8)
+    prompt = list(range(5, 40))
+    with torch.inference_mode():
+        cache = RetentionCache(len(tiny.model.model.layers), capacity=64)
+        cache.slots, cache.prompt_lengths = [0], [len(prompt)]
+        ad.forward(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache)
+        state.after_step(cache, [len(prompt)], 1.0)
+        assert cache.layers[0].packed is not None and "k" not in cache.layers[0].stores
+        ids, pos = torch.tensor([[7]]), torch.tensor([[len(prompt)]])
+        assert bool(ad.forward(ids, pos, cache).isnan().all())
+        cache.lengths = [len(prompt)]  # the NaN step's token forgotten (its ring entry is overwritten below)
+        with state.attach(tiny.model):
+            assert tiny.model.config._attn_implementation == "retention_packed"
+            assert bool(ad.forward(ids, pos, cache).isfinite().all())
+    assert tiny.model.config._attn_implementation == "sdpa"
