@@ -12,16 +12,18 @@ unchanged to the attention function registered under the model's implementation 
 model's original implementation otherwise (a plain cache: a prefill, the fidelity reference). A
 handle that reaches any other attention makes NaN logits, never a plausible wrong token.
 
-`attend` reads the ring (the full-precision tokens) and then the token axis in chunks of `CHUNK`
-tokens: each chunk's codes are unpacked and dequantised (float32, not rounded to the model's dtype:
-a bfloat16 model's attention reads them a rounding more exactly than the view, which rounds them, and
-the simulated store, which holds them rounded), scored, and merged into a running log-sum-exp (online softmax: running
-max `m`, denominator `l`, output `o`, all in float32, float64 on a float64 model), so no step holds
-more than a chunk of dequantised keys and values. Masking is by the store itself, not the mask
-transformers passes: a token-axis entry counts where it is within its row's width, not a hole
-(position >= 0), quantised (`slot > 0`: full-precision tokens are read from the ring) and not after
-the query (position <= the query's); a ring entry where it holds a token (`ring_pos >= 0`) not
-after the query. Rows whose every key is masked (a padding row) give zeros.
+`attend` reads the token axis `CHUNK` tokens at a time, the ring (the full-precision tokens) with
+the first chunk: each chunk's codes are unpacked and dequantised (float32, then rounded to the
+model's dtype, as the view and the simulated store hold them) and attended by the CPU flash kernel
+SDPA runs on a plain cache (elsewhere a plain softmax in float32, float64 on a float64 model), which
+returns each block's log-sum-exp; blocks are merged by it, so no step holds more than a chunk of
+dequantised keys and values, and a cache within one chunk is one kernel call over the ring and its
+codes. Masking is by the store itself, not the mask transformers passes: a token-axis entry counts
+where it is within its row's width, not a hole (position >= 0), quantised (`slot > 0`: full-precision
+tokens are read from the ring) and not after the query (position <= the query's); a ring entry where
+it holds a token (`ring_pos >= 0`) not after the query. Rows whose every key is masked (a padding
+row) give zeros. In bfloat16 each block's output is rounded to bfloat16 before the merge (a cache
+over one chunk: none), within a rounding of the single-softmax result.
 """
 
 from __future__ import annotations
@@ -48,49 +50,68 @@ def handle(layer, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.T
     return h
 
 
-def _merge(m, l, o, s, valid, v):
-    """One online-softmax step: scores `s` `[S, G, r, c]` (masked by `valid`), values `v` `[S, G, c, dv]`."""
-    s = s.masked_fill(~valid, -math.inf)
-    m_new = torch.maximum(m, s.amax(-1))
-    base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # nothing valid yet: no shift
-    scale = torch.exp(m - base)
-    p = torch.exp(s - base[..., None])
-    return m_new, l * scale + p.sum(-1), o * scale[..., None] + p @ v
+# The CPU flash-attention kernel behind SDPA, with its log-sum-exp (None: another build; the manual path).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float, acc: torch.dtype
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention: `q` `[S, G, R, dk]`, `k`/`v` `[S, G, c, d]` (model dtype), `valid`
+    `[S, G, 1 or R, c]` -> its normalised output `[S, G, R, dv]` and log-sum-exp `[S, G, R]` (`acc`;
+    -inf where no key is valid). On a CPU the SDPA flash kernel (the one a plain cache's attention
+    runs), elsewhere a plain softmax in `acc`."""
+    none = ~valid.any(-1)  # [S, G, 1 or R]
+    if q.device.type == "cpu" and _FLASH_CPU is not None:
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, -math.inf)
+        out, lse = _FLASH_CPU(q, k, v, attn_mask=mask, scale=scaling)
+        out, lse = out.to(acc), lse.to(acc)
+    else:
+        s = ((q.to(acc) @ k.to(acc).transpose(-1, -2)) * scaling).masked_fill(~valid, -math.inf)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        out = p @ v.to(acc)
+    return out.masked_fill(none[..., None], 0.0), lse.masked_fill(none.expand_as(lse), -math.inf)
+
+
+def _merge(acc_out, acc_lse, out, lse):
+    """Two normalised partial attentions over disjoint keys, merged by their log-sum-exps."""
+    if acc_out is None:
+        return out, lse
+    new = torch.logaddexp(acc_lse, lse)
+    base = torch.where(torch.isinf(new), 0.0, new)
+    a, b = torch.exp(acc_lse - base), torch.exp(lse - base)
+    return acc_out * a[..., None] + out * b[..., None], new
 
 
 def attend(query: torch.Tensor, layer, scaling: float) -> torch.Tensor:
     """The attention output `[S, q, Hq, dv]` (query's dtype) of `query` `[S, Hq, q, dk]` over packed
     group `layer` (module doc)."""
     pk: PackedKV = layer.packed
-    acc = pk.spec.acc
+    acc, dtype = pk.spec.acc, pk.spec.dtype
     S, Hq, q, dk = query.shape
     G = pk.ring_pos.shape[1]
     r = Hq // G
-    qf = query.to(acc).reshape(S, G, r * q, dk)
-    qpos = pk.step_pos.to(pk.ring_pos.device)  # [S, q]
-    qp = qpos[:, None, :].expand(S, r, q).reshape(S, 1, r * q)  # [S, 1, rq]: each query row's position
-    dv = pk.ring_v.shape[-1]
-    m = torch.full((S, G, r * q), -math.inf, dtype=acc, device=query.device)
-    l = torch.zeros(S, G, r * q, dtype=acc, device=query.device)
-    o = torch.zeros(S, G, r * q, dv, dtype=acc, device=query.device)
-    # The ring: the tokens still in full precision.
-    s = (qf @ pk.ring_k.to(acc).transpose(-1, -2)) * scaling  # [S, G, rq, F]
-    rp = pk.ring_pos[:, :, None, :]
-    m, l, o = _merge(m, l, o, s, (rp >= 0) & (rp <= qp[..., None]), pk.ring_v.to(acc))
-    # The token axis, `CHUNK` tokens at a time: the quantised tokens.
+    qg = query.to(dtype).reshape(S, G, r * q, dk)  # the r query heads of a KV head as its rows
+    qp = pk.step_pos.to(pk.ring_pos.device)[:, None, :].expand(S, r, q).reshape(S, 1, r * q, 1)  # query positions
+    if q == 1:
+        qp = qp[:, :, :1]  # one position per row: the masks broadcast over the query heads
     w = layer.positions.shape[-1]
     widths = pk.step_widths
-    slot_b, pos_b = layer.stores["slot"], layer.pbuf
-    for c0 in range(0, w, CHUNK):
+    rp = pk.ring_pos[:, :, None, :]
+    ring_ok = (rp >= 0) & (rp <= qp)  # [S, G, 1 or rq, F]: the full-precision tokens
+    out = lse = None
+    for c0 in range(0, max(w, 1), CHUNK):
         c1 = min(w, c0 + CHUNK)
-        k, v = codes_kv(layer, lambda b: b[:, :, c0:c1], lambda b: b)  # [S, G, c, d] float32
-        pos = pos_b[:, :, c0:c1]
-        ok = (slot_b[:, :, c0:c1] > 0) & (pos >= 0) & \
+        k, v = (x.to(dtype) for x in codes_kv(layer, lambda b: b[:, :, c0:c1], lambda b: b))  # [S, G, c, d]
+        pos = layer.pbuf[:, :, c0:c1]
+        ok = (layer.stores["slot"][:, :, c0:c1] > 0) & (pos >= 0) & \
              (torch.arange(c0, c1, device=pos.device)[None, None, :] < widths[:, None, None])  # [S, G, c]
-        s = (qf @ k.to(acc).transpose(-1, -2)) * scaling
-        valid = ok[:, :, None, :] & (pos[:, :, None, :] <= qp[..., None])
-        m, l, o = _merge(m, l, o, s, valid, v.to(acc))
-    out = torch.where(l[..., None] > 0, o / l.clamp(min=torch.finfo(acc).tiny)[..., None], 0.0)
+        valid = ok[:, :, None, :] & (pos[:, :, None, :] <= qp)
+        if c0 == 0:  # the ring with the first chunk: one kernel call while the cache fits a chunk
+            k, v = torch.cat([pk.ring_k, k], 2), torch.cat([pk.ring_v, v], 2)
+            valid = torch.cat([ring_ok.expand(-1, -1, valid.shape[2], -1), valid], 3)
+        out, lse = _merge(out, lse, *_part(qg, k, v, valid, scaling, acc))
+    dv = pk.ring_v.shape[-1]
     return out.view(S, G, r, q, dv).reshape(S, Hq, q, dv).transpose(1, 2).to(query.dtype)
 
 

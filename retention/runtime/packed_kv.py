@@ -248,7 +248,7 @@ def codes_kv(layer, take, rows) -> tuple[torch.Tensor, torch.Tensor]:
         # One row lookup per token (index_select over the flattened table: far cheaper than a gather).
         flat = torch.arange(B * G, device=tab.device).view(B, G, 1) * C + (slot.long() - 1).clamp(min=0)
         kg = tab.reshape(B * G * C, -1).index_select(0, flat.reshape(-1)).view(*slot.shape, -1, 2).float()
-        k = ck * kg[..., 0] + kg[..., 1]
+        k = ck.mul_(kg[..., 0]).add_(kg[..., 1])  # in place on the fresh float32 codes: no more allocations
     else:
         k = _grouped_decode(ck, take(st["sk"]), spec.group)
     v = _grouped_decode(unpack(take(st["qv"]), spec.bits).float(), take(st["sv"]), spec.group)
@@ -256,10 +256,11 @@ def codes_kv(layer, take, rows) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _grouped_decode(codes: torch.Tensor, g: torch.Tensor, group: int) -> torch.Tensor:
-    """float32 codes `[..., d]` on per-group grids `[..., d / group, 2]`: `code x s + lo` (float32)."""
+    """float32 codes `[..., d]` (a fresh tensor, overwritten) on per-group grids `[..., d / group, 2]`:
+    `code x s + lo` (float32)."""
     gf = g.float()
-    x = codes.reshape(*codes.shape[:-1], -1, group) * gf[..., 0:1] + gf[..., 1:2]
-    return x.reshape(codes.shape)
+    x = codes.reshape(*codes.shape[:-1], -1, group)
+    return x.mul_(gf[..., 0:1]).add_(gf[..., 1:2]).reshape(codes.shape)
 
 
 def _grouped_grid(g: torch.Tensor, group: int) -> torch.Tensor:
