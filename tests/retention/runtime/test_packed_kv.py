@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from retention.runtime.cache import RetentionCache
+from retention.runtime import packed_attention
 from retention.runtime.packed_attention import attend
 from retention.runtime.packed_kv import (CHUNK, PackSpec, chunk_grid, decode, dequantise, encode, pack, row_bytes,
                                          to_packed, token_grid, unpack)
@@ -79,11 +80,17 @@ def _reference(query, keys, values, valid, scaling):
     return (torch.softmax(s, -1) @ v).transpose(1, 2)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("flash", [True, False], ids=["cpu-flash", "plain-softmax"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("keys,bits", [("channel", 8), ("token", 4)])
-def test_chunked_attention_equals_plain_attention_over_the_dequantised_tensors(dtype, tol, keys, bits):
+def test_chunked_attention_equals_plain_attention_over_the_dequantised_tensors(dtype, tol, keys, bits, flash,
+                                                                                monkeypatch):
     """Rows of different lengths (a compaction), GQA (3 query heads per KV head), three chunks of
-    keys: the chunked attention is the float64 attention over what the store dequantises to."""
+    keys: the chunked attention is the float64 attention over what the store dequantises to, through
+    the CPU flash kernel and through the plain softmax other devices run (bfloat16: within its rounding,
+    each chunk's output rounded before the merge)."""
+    if not flash:
+        monkeypatch.setattr(packed_attention, "_FLASH_CPU", None)
     S, G, r, d, n = 3, 2, 3, 16, 2 * CHUNK + 40
     cache, _, spec = _packed_cache(S=S, G=G, n=n, d=d, dtype=dtype, bits=bits, keys=keys)
     g = torch.Generator().manual_seed(5)
