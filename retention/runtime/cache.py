@@ -44,6 +44,13 @@ position `PAD` that `layer_positions` reports for them) (None when every row has
 sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
 code is not patched.
 
+A packed group (the `quant` state's packed store, `retention.runtime.packed_kv`): `layer.packed` holds
+its ring of full-precision tokens and its key-chunk grids, and its stores are codes, grids and slot
+indices instead of `k`/`v` (per-token buffers like any store: every path above carries them);
+`update` writes a new token to the ring and returns zero-memory handles that the packed attention
+reads the group through (`retention.runtime.packed_attention`), `view` dequantises, compaction and
+row moves keep the ring and the chunk table in step with the kept tokens.
+
 Positions are never compacted and stored keys are never re-rotated: the caller passes explicit
 absolute `position_ids` for every forward (`set_step_positions`), because after a compaction the
 model would otherwise infer positions from the (shorter) cache length and silently decode garbage.
