@@ -25,7 +25,9 @@ tokens are contiguous: compaction renumbers them by rank (`compacted`).
 The grid: min-max asymmetric, the zero point `lo16` rounded down and the scale `s16` rounded up to
 float16 (`grid`), so `[lo, hi]` lies inside `lo16 + [0, levels] x s16` and every dequantisation
 error is at most `s16 / 2`, half a step of the stored grid (the simulated store's bound, with its
-float32 `lo` and step rounded outward to float16: `s16 <= (hi - lo + |lo| 2^-9) / levels x (1 + 2^-9)`).
+float32 `lo` and step rounded outward to float16: `s16 <= (hi - lo + |lo| 2^-9) / levels x (1 + 2^-8)`,
+in float16's normal range; below it, within its subnormal spacing, 6e-8; keys and values beyond its
+largest value, 65504, are not representable).
 """
 
 from __future__ import annotations
