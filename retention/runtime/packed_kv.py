@@ -249,8 +249,9 @@ def codes_kv(layer, take, rows) -> tuple[torch.Tensor, torch.Tensor]:
         B, G, C = tab.shape[:3]
         # One row lookup per token (index_select over the flattened table: far cheaper than a gather).
         flat = torch.arange(B * G, device=tab.device).view(B, G, 1) * C + (slot.long() - 1).clamp(min=0)
-        kg = tab.reshape(B * G * C, -1).index_select(0, flat.reshape(-1)).view(*slot.shape, -1, 2).float()
-        k = ck.mul_(kg[..., 0]).add_(kg[..., 1])  # in place on the fresh float32 codes: no more allocations
+        kg = tab.reshape(B * G * C, -1).index_select(0, flat.reshape(-1)).view(*slot.shape, -1, 2)
+        # In place on the fresh float32 codes, the float16 grid promoted exactly: no float32 copy of it.
+        k = ck.mul_(kg[..., 0]).add_(kg[..., 1])
     else:
         k = _grouped_decode(ck, take(st["sk"]), spec.group)
     v = _grouped_decode(unpack(take(st["qv"]), spec.bits).float(), take(st["sv"]), spec.group)
@@ -260,9 +261,8 @@ def codes_kv(layer, take, rows) -> tuple[torch.Tensor, torch.Tensor]:
 def _grouped_decode(codes: torch.Tensor, g: torch.Tensor, group: int) -> torch.Tensor:
     """float32 codes `[..., d]` (a fresh tensor, overwritten) on per-group grids `[..., d / group, 2]`:
     `code x s + lo` (float32)."""
-    gf = g.float()
     x = codes.reshape(*codes.shape[:-1], -1, group)
-    return x.mul_(gf[..., 0:1]).add_(gf[..., 1:2]).reshape(codes.shape)
+    return x.mul_(g[..., 0:1]).add_(g[..., 1:2]).reshape(codes.shape)
 
 
 def _grouped_grid(g: torch.Tensor, group: int) -> torch.Tensor:
