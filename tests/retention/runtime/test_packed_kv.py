@@ -208,3 +208,22 @@ def test_a_packed_cache_allocates_less_than_the_model_dtype_cache():
         per_token = 2 * d * bits // 8 + 2 * (d // 16) * 2 + 4  # codes, value grids, slot
         table = c.layers[0].packed.table.shape[2] * d * 2 * 2
         assert c.allocated_bytes() == S * G * (cap * per_token + 48 * 2 * d * 2 + table)
+
+
+@pytest.mark.parametrize("bits,quantised,allocated", [(8, 7680, 0.828), (4, 4608, 0.578)])
+def test_the_documented_bytes_per_token_of_qwen_shapes(bits, quantised, allocated):
+    """docs/design-space.md's figures for Qwen2.5-0.5B (24 layers x 2 KV heads x 64, bf16; group 16,
+    residual 32, capacity 256), from one layer's tensors: a quantised token's bytes (codes, grids and
+    its share of a whole key chunk's grid) and a slot's allocation against the bf16 cache's."""
+    S, G, d, cap, layers = 2, 2, 64, 256, 24
+    plain = RetentionCache(1, capacity=cap)
+    plain.set_step_positions(torch.arange(cap).expand(S, -1))
+    kv = torch.randn(S, G, cap, d).to(torch.bfloat16)
+    plain.update(kv, kv, 0)
+    full_alloc, full_token = plain.allocated_bytes(), plain.layers[0].token_bytes()
+    to_packed(plain.layers[0], PackSpec(bits, 16, "channel", 48, torch.bfloat16), torch.full((S,), cap),
+              torch.full((S,), cap - 32))
+    held = int(row_bytes(plain.layers[0], torch.tensor([0]), torch.tensor([cap]))[0])
+    assert full_token * layers == 12288
+    assert (held - 32 * full_token) / (cap - 32) * layers == quantised
+    assert round(plain.allocated_bytes() / full_alloc, 3) == allocated
