@@ -280,7 +280,8 @@ class CheckedPolicy(RetentionPolicy):
         refusal = outgrown(cache, c) if probe.evicts and not prefill else None
         if refusal is not None:
             raise RetentionError(f"mean budget held: {refusal}")
-        if len(self.violations) >= MAX_NOTES or cache.layers[0].kbuf is None:
+        packed = cache.layers[0].packed is not None
+        if len(self.violations) >= MAX_NOTES or (cache.layers[0].kbuf is None and not packed):
             return did
         meters = [meter] if not isinstance(meter, list) else meter
         for r in range(cache.rows):
@@ -303,9 +304,14 @@ class CheckedPolicy(RetentionPolicy):
                 held = torch.stack([ly.pbuf[r, :, :k] for ly in cache.layers])  # [L, G, k]
                 if k != cache.widths[r] or not torch.equal(held, now.to(held.device)):
                     self.violations.append(f"after a compaction the buffers hold other positions than the {k} kept")
-        per_token = sum(2 * ly.kbuf[0, :, 0].numel() * ly.kbuf.element_size() for ly in cache.layers)
-        if cache.stored_bytes() != per_token * sum(cache.lengths) or cache.stored_bytes() > cache.allocated_bytes():
-            self.violations.append(f"stored bytes {cache.stored_bytes()} are not {sum(cache.lengths)} tokens' worth")
+        if packed:  # the bytes its tensors hold (`packed_kv.row_bytes`) fit in what is allocated
+            if cache.stored_bytes() > cache.allocated_bytes():
+                self.violations.append(f"stored bytes {cache.stored_bytes()} exceed the {cache.allocated_bytes()} "
+                                       "allocated")
+        else:
+            per_token = sum(2 * ly.kbuf[0, :, 0].numel() * ly.kbuf.element_size() for ly in cache.layers)
+            if cache.stored_bytes() != per_token * sum(cache.lengths) or cache.stored_bytes() > cache.allocated_bytes():
+                self.violations.append(f"stored bytes {cache.stored_bytes()} are not {sum(cache.lengths)} tokens' worth")
         for r in range(cache.rows):  # the state's meter figure equals its recount from the buffers
             m = meters[r] if r < len(meters) else meters[0]
             if m is None:

@@ -27,6 +27,7 @@ its layers and heads; the row's mean stays `k` (`retention.policy.routing`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -83,8 +84,12 @@ class RetentionPolicy:
     def finish(self, slot: int, output_tokens: int, steps: int, fidelity=None) -> CacheTrace | None:
         return self.tracer.finish(slot, output_tokens, steps, fidelity)
 
+    @contextlib.contextmanager
     def attach(self, model):
-        return self.scorer.attach(model)
+        """The state's context (the packed store's attention), then the scorer's (a query capture,
+        which then records through it)."""
+        with self.state.attach(model), self.scorer.attach(model) as got:
+            yield got
 
     def prepare(self, tokenizer) -> None:
         """What the mechanisms read from the run's tokenizer (the newline cadence's line breaks)."""

@@ -13,8 +13,9 @@ most `2 ** bits` distinct values on a uniform min-max grid (checked where the bu
 resolves the grid: float32/float64; in half precision the distinct-value count alone). Keys are
 counted at `bits` optimistically (their chunks run along tokens), scales and zero points not at all:
 a floor, which an honest meter is never below. A state without `bits` stores full precision. A
-packed store (a state keeping its codes in `cache.layers[i].extra`) is counted by those tensors'
-`nbytes` instead (`packed_kib`).
+packed store (`RetentionLayer.packed`, `retention.runtime.packed_kv`) is floored from its tensors
+alone: every stored token costs at least one entry of its code tensors (`qk`, `qv`: their `nbytes`),
+whatever the state says of its scales or of which tokens are quantised.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def stored_kib_floor(cache, row: int, state, kib_per_token: float) -> float:
     full = cache.lengths[row] * kib_per_token
     bits, group = getattr(state, "bits", None), getattr(state, "group", None)
     layer0 = cache.layers[0]
+    if layer0.packed is not None:  # codes in the cache: a token costs at least its code entries
+        codes = sum(ly.stores["qk"][0, :, 0].nbytes + ly.stores["qv"][0, :, 0].nbytes for ly in cache.layers)
+        full_bytes = sum(ly.token_bytes() for ly in cache.layers)
+        return full * codes / full_bytes
     if not isinstance(bits, int) or not isinstance(group, int) or group < 1 or layer0.vbuf is None:
         return full
     width = cache.widths[row]

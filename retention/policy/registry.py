@@ -147,6 +147,29 @@ def construct(fam: str, name: str, cls: type, params: dict, builtin: bool | None
         raise RetentionError(f"{fam} plugin {name!r} failed to construct: {type(exc).__name__}: {exc}") from None
 
 
+def new_run_entry(fam: str, entry):
+    """A family's entry (a name or `{"name", "params"}`) of a run being started now (the CLI, the API,
+    a new plan, the contract kit), with the parameters its class gives new runs where the entry sets
+    none (`new_run_params`: `quant.store` packed; a written configuration without them ran otherwise,
+    so `validate_arm` itself adds nothing). Entries of other mechanisms come back unchanged."""
+    if entry is None or fam not in ALL_FAMILIES or fam == "scorer":
+        return entry
+    name = entry if isinstance(entry, str) else entry.get("name") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not name:
+        return entry
+    try:
+        cls = mechanism_class(fam, name)
+    except RetentionError:
+        return entry  # refused with its own line by validation
+    extra = getattr(cls, "new_run_params", dict)()
+    if not extra:
+        return entry
+    params = dict(entry.get("params") or {}) if isinstance(entry, dict) else {}
+    out = dict(entry) if isinstance(entry, dict) else {"name": name}
+    out["params"] = {**extra, **params}
+    return out
+
+
 def make_mechanism(fam: str, name: str, params: dict, **base):
     """An instance of mechanism `name` of family `fam` with `params`."""
     return construct(fam, name, mechanism_class(fam, name), params, **base)
@@ -187,6 +210,9 @@ class MechanismSpec:
     def build(self, **base):
         """A fresh instance (per-run state never leaks between runs)."""
         kwargs = scorer_kwargs(self.cls, self.kwargs) if self.family == "scorer" else self.kwargs
+        written = getattr(self.cls, "written_params", None)
+        if written is not None:  # a parameter the record leaves out at the value it ran with (`Quant.store`)
+            kwargs = written(kwargs)
         return construct(self.family, self.name, self.cls, kwargs, self.plugin is None, **base)
 
     def record(self) -> dict:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from retention.errors import RetentionError
-from retention.policy.registry import (FAMILIES, get_scorer_class, is_builtin, mechanism_class, mechanism_fields,
+from retention.policy.registry import (FAMILIES, get_scorer_class, is_builtin, mechanism_class, mechanism_fields, new_run_entry,
                                        scorer_parameters)
 from retention.policy.scoring.base import Scorer
 
@@ -141,6 +141,6 @@ def mechanism_options(params: tuple[str, ...], chosen: dict[str, str | None], sc
         if param in per[fam]:
             raise RetentionError(f"--param {owner}.{param} is given twice; give it once")
         per[fam][param] = _convert(fields[param], raw.strip(), f"--param {item!r}")
-    entries = {fam: ({"name": name, "params": per[fam]} if per[fam] else name)
+    entries = {fam: new_run_entry(fam, {"name": name, "params": per[fam]} if per[fam] else name)
                for fam, name in chosen.items() if name is not None}
     return tuple(rest), entries

@@ -44,6 +44,13 @@ position `PAD` that `layer_positions` reports for them) (None when every row has
 sequence runs the very same attention call as transformers' `DynamicCache`). The model's attention
 code is not patched.
 
+A packed group (the `quant` state's packed store, `retention.runtime.packed_kv`): `layer.packed` holds
+its ring of full-precision tokens and its key-chunk grids, and its stores are codes, grids and slot
+indices instead of `k`/`v` (per-token buffers like any store: every path above carries them);
+`update` writes a new token to the ring and returns zero-memory handles that the packed attention
+reads the group through (`retention.runtime.packed_attention`), `view` dequantises, compaction and
+row moves keep the ring and the chunk table in step with the kept tokens.
+
 Positions are never compacted and stored keys are never re-rotated: the caller passes explicit
 absolute `position_ids` for every forward (`set_step_positions`), because after a compaction the
 model would otherwise infer positions from the (shorter) cache length and silently decode garbage.
@@ -59,6 +66,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from retention.runtime.packed_attention import handle
+from retention.runtime.packed_kv import PackedKV, compacted, dequantise, dequantise_at, row_bytes
 
 
 PAD = 2**62  # the position padding reads as on a layout model (`layer_positions`): after every query
@@ -110,6 +120,9 @@ class RetentionLayer(DynamicLayer):
         self.positions: torch.Tensor | None = None
         self.extra: dict[str, torch.Tensor] = {}
         self.static = False  # views of a width that does not depend on other rows (`view_width`)
+        # A packed quantised group (`retention.runtime.packed_kv`): its stores are codes, its side
+        # buffers (ring, key chunks) here; `keys`/`values` are then handles (`packed_attention`).
+        self.packed: PackedKV | None = None
 
     @property
     def kbuf(self):
@@ -144,6 +157,11 @@ class RetentionLayer(DynamicLayer):
         self.positions = self.pbuf[:, :, :w]
         if "k" in self.stores:
             self.keys, self.values = self.stores["k"][:, :, :w], self.stores["v"][:, :, :w]
+        elif self.packed is not None:
+            S, G = self.pbuf.shape[:2]
+            pk = self.packed
+            self.keys = handle(self, (S, G, w, pk.ring_k.shape[-1]), pk.spec.dtype, self.pbuf.device)
+            self.values = handle(self, (S, G, w, pk.ring_v.shape[-1]), pk.spec.dtype, self.pbuf.device)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Every per-token buffer (token axis 2), stores first."""
@@ -159,14 +177,19 @@ class RetentionLayer(DynamicLayer):
         return 0 if self.pbuf is None else self.pbuf.shape[2]
 
     def allocated_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.stores.values())
+        """Bytes of the stores (and of a packed group's ring and key chunks; positions excluded)."""
+        side = 0 if self.packed is None else self.packed.allocated_bytes()
+        return sum(b.numel() * b.element_size() for b in self.stores.values()) + side
 
     def token_bytes(self) -> int:
-        """Bytes one stored token costs in this group's stores (one row)."""
+        """Bytes one full-precision token costs in this group's stores (one row; a packed group: in its ring)."""
+        if self.packed is not None:
+            return self.packed.ring_k[0, :, 0].nbytes + self.packed.ring_v[0, :, 0].nbytes
         return sum(b[0, :, 0].numel() * b.element_size() for b in self.stores.values())
 
     def reset(self) -> None:
         super().reset()
+        self.packed = None
         self.pbuf = self.positions = None
         self.stores, self.extra = {}, {}
 
@@ -262,6 +285,7 @@ class RetentionCache(Cache):
         self._step_positions: torch.Tensor | None = None
         self._write_at: list[int] = []
         self._write_idx: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, indices) of a scattered write
+        self._step_widths: torch.Tensor | None = None  # [S] widths after this forward's write (a packed cache)
         # Layout models only (`for_layout`): the layout, its eviction groups, and per step the
         # attention each group's stored tokens received (`collect_attention`), padded positions.
         self.layout = None
@@ -356,20 +380,32 @@ class RetentionCache(Cache):
             if any(a != at[0] for a in at):  # rows at different widths: their write indices, once per forward
                 dev = self.layers[0].pbuf.device
                 self._write_idx = (torch.arange(self.rows, device=dev), torch.tensor(at, device=dev))
+            if self.layers[0].packed is not None:  # what a packed attention masks by: widths after the write
+                self._step_widths = torch.tensor([a + q for a in at], device=self.layers[0].pbuf.device)
         layer = self.layers[layer_idx]
         pos = self._step_positions.to(layer.pbuf.device)[:, None, :].expand(-1, key_states.shape[1], -1)
         at = self._write_at
+        if layer.packed is None:
+            writes = {"k": key_states, "v": value_states}
+        else:  # a packed group: the new tokens go to its ring, in full precision (`packed_kv`)
+            if q > layer.packed.spec.ring:
+                raise RuntimeError(f"a packed cache takes at most {layer.packed.spec.ring} tokens per forward")
+            layer.packed.write(self._step_positions, key_states, value_states)
+            layer.packed.step_widths, layer.packed.step_pos = self._step_widths, self._step_positions
+            writes = {"slot": torch.zeros_like(pos, dtype=layer.stores["slot"].dtype)}
         if all(a == at[0] for a in at):  # every row at the same length: one slice write
             s = slice(at[0], at[0] + q)
-            layer.stores["k"][:, :, s], layer.stores["v"][:, :, s], layer.pbuf[:, :, s] = key_states, value_states, pos
+            for name, x in writes.items():
+                layer.stores[name][:, :, s] = x
+            layer.pbuf[:, :, s] = pos
             for b in layer.extra.values():  # per-token state of a new token starts at zero
                 b[:, :, s] = 0
         else:  # rows at different lengths (decode, q = 1): scatter each row's token at its own index
             if q != 1:
                 raise RuntimeError("a multi-token forward needs every row at the same stored length")
             r, idx = self._write_idx  # built once per forward (layer 0)
-            layer.stores["k"][r, :, idx] = key_states[:, :, 0]
-            layer.stores["v"][r, :, idx] = value_states[:, :, 0]
+            for name, x in writes.items():
+                layer.stores[name][r, :, idx] = x[:, :, 0]
             layer.pbuf[r, :, idx] = pos[:, :, 0]
             for b in layer.extra.values():
                 b[r, :, idx] = 0
@@ -535,6 +571,10 @@ class RetentionCache(Cache):
         mean per (layer, head), so this is exact where every layer's token costs the same)."""
         if self.layers[0].pbuf is None:
             return 0
+        if self.layers[0].packed is not None:  # a packed cache: what its tensors hold (`packed_kv.row_bytes`)
+            dev = self.layers[0].pbuf.device
+            ridx, lens = torch.arange(self.rows, device=dev), torch.tensor(self.widths, device=dev)
+            return int(sum(row_bytes(layer, ridx, lens).sum() for layer in self.layers))
         return sum(layer.token_bytes() for layer in self.layers) * sum(self.lengths)
 
     nbytes = stored_bytes
@@ -583,7 +623,11 @@ class RetentionCache(Cache):
                 ok = ok & (p >= 0)  # a ragged row's holes
             p = p.masked_fill(~ok, -1)
             prot = protected_positions(p, t, sink, recent, plen if protect_prompt else below)
-            stores.append({k: take(v) for k, v in layer.stores.items()})
+            if layer.packed is None:
+                stores.append({k: take(v) for k, v in layer.stores.items()})
+            else:  # a packed group: its tokens dequantised, as the attention reads them
+                kk, vv = dequantise(layer, None if whole else ridx, 0, n)
+                stores.append({"k": kk, "v": vv})
             positions.append(p)
             protected.append(prot & ok)
             valid.append(ok)
@@ -592,6 +636,19 @@ class RetentionCache(Cache):
         values = [] if self.is_layout else [s["v"] for s in stores]
         return CacheView(keys, values, positions, protected, t, valid, plen, slots, extra, stores=stores,
                          groups=list(self.groups), layout=self.layout)
+
+    def layer_keys(self, layer: int) -> torch.Tensor:
+        """`[S, G, w, d]` the keys `layer` holds (its view; a packed group: dequantised, a full copy,
+        for the scorers that read every key every step: H2O)."""
+        ly = self.layers[layer]
+        return ly.keys if ly.packed is None else dequantise(ly, None, 0, ly.positions.shape[-1])[0]
+
+    def token_values(self, layer: int, idx: torch.Tensor) -> torch.Tensor:
+        """`[S, G, q, dv]` the values `layer` holds at entries `idx` `[S, G, q]` (a packed group: dequantised)."""
+        ly = self.layers[layer]
+        if ly.packed is not None:
+            return dequantise_at(ly, idx)[1]
+        return ly.vbuf.gather(2, idx[..., None].expand(*idx.shape, ly.vbuf.shape[-1]))
 
     # -- evicting and moving rows ----------------------------------------------------------------
     def compact_rows(self, rows: list[int], keep: torch.Tensor, allocation: Allocation | None = None) -> None:
@@ -626,6 +683,8 @@ class RetentionCache(Cache):
                     b[:, :, :k] = new[name]
                 else:
                     b[ridx, :, :k] = new[name]
+            if layer.packed is not None:  # its ring and key chunks follow the kept tokens
+                compacted(layer, None if whole else ridx, k)
         for j, r in enumerate(rows):
             if allocation is None:
                 self.lengths[r], self.holes[r] = k, 0
@@ -656,6 +715,10 @@ class RetentionCache(Cache):
         if n > self.layers[0].capacity:
             self._grow(max(2 * self.layers[0].capacity, n))
         for dst_l, src_l in zip(self.layers, src.layers):
+            if (dst_l.packed is None) != (src_l.packed is None):
+                raise RuntimeError("a packed and a plain cache do not exchange rows")
+            if dst_l.packed is not None:
+                dst_l.packed.load_row(row, src_l.packed, src_row)
             S, G, cap = dst_l.pbuf.shape
             for name, b in src_l.extra.items():
                 if name not in dst_l.extra:
@@ -683,6 +746,8 @@ class RetentionCache(Cache):
         ridx = torch.tensor(rows, device=dev)
         for layer in self.layers:
             layer.set_buffers({k: b.index_select(0, ridx) for k, b in layer.buffers().items()})
+            if layer.packed is not None:
+                layer.packed = layer.packed.rows(ridx)
         self.lengths = [self.lengths[r] for r in rows]
         self.holes = [self.holes[r] for r in rows]
         self.slots = [self.slots[r] for r in rows]
@@ -722,6 +787,7 @@ class RetentionCache(Cache):
             layer.stores = {name: torch.zeros(rows, b.shape[1], capacity, *b.shape[3:], dtype=b.dtype, device=b.device)
                             for name, b in ol.stores.items()}
             layer.static = static
+            layer.packed = None if ol.packed is None else ol.packed.empty(rows)
             layer.set_width(0)
         c.lengths, c.holes, c.slots, c.prompt_lengths = [0] * rows, [0] * rows, list(range(rows)), [0] * rows
         return c

@@ -123,9 +123,11 @@ class Alpha(TriAttention):
             return
         idx = cache.written_slots()  # [S, q]
         S, q = idx.shape
-        G, d = cache.layers[0].vbuf.shape[1], cache.layers[0].vbuf.shape[-1]
-        gidx = idx[:, None, :, None].expand(S, G, q, d)
-        u = token_signatures([layer.vbuf.gather(2, gidx) for layer in cache.layers])  # [S, q, d]
+        G = cache.layers[0].pbuf.shape[1]
+        tidx = idx[:, None, :].expand(S, G, q)
+        u = token_signatures([cache.token_values(i, tidx) for i in range(len(cache.layers))])  # [S, q, d]
+        d = u.shape[-1]
+        gidx = tidx[..., None].expand(S, G, q, d)
         u = u[:, None].expand(S, G, q, d)
         for layer in range(len(cache.layers)) if self.per_layer else (0,):
             cache.add_extra(layer, self.EXTRA, (d,)).scatter_(2, gidx, u)

@@ -126,7 +126,7 @@ class H2O(WindowScorer):
             idx = (ends[:, None] - q + torch.arange(q, device=ends.device)[None]).clamp(min=0)
             query_pos = torch.gather(layer.positions[:, 0], 1, idx)
             key_valid = valid[:, None, :].expand_as(layer.positions)
-            acc[:, :, :w] += attention_mass(call.query, layer.keys, layer.positions, query_pos, call.scaling,
+            acc[:, :, :w] += attention_mass(call.query, cache.layer_keys(i), layer.positions, query_pos, call.scaling,
                                             key_valid)
 
     def score(self, view: CacheView) -> torch.Tensor:

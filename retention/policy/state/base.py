@@ -34,9 +34,12 @@ Built-ins:
   channel), values per token over groups of `group` channels; the residual window stays in full
   precision. Dequantisation error: at most half a quantisation step per element, `(max - min) /
   (2 ** bits - 1) / 2` of its group, plus the rounding of the model's dtype (checked by
-  `retention check`). The quantised values are kept dequantised in the model's dtype in the cache's
-  buffers (the attention reads exactly what a packed int store would give it); the meter counts the
-  bytes a packed store holds (in its unit, `kib_per_token` per full-precision token): `bits / 8` bytes per code, a 2-byte scale and zero point per key chunk
+  `retention check`). `store="packed"` (new runs): the cache holds the codes and float16 grids
+  (`retention.runtime.packed_kv`) and the attention dequantises them a chunk at a time; the meter
+  counts the bytes of those tensors. `store="simulated"` (configurations written before it): the
+  quantised values are kept dequantised in the model's dtype in the cache's buffers and the meter
+  counts the bytes a packed store holds. Either way, in the meter's unit (`kib_per_token` per
+  full-precision token): `bits / 8` bytes per code, a 2-byte scale and zero point per key chunk
   and channel and per value group. So a quantised arm at `--budget-bytes` holds more tokens than
   `full` at the same bytes, and at `--budget` (tokens) it stores fewer bytes.
 
@@ -45,6 +48,7 @@ Plugins subclass `State` (entry-point group `retention.states`, `module:Class`, 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -72,6 +76,10 @@ class State(TrivialSetting):
 
     def reset_slot(self, slot: int, seed: int) -> None:
         """Engine slot `slot` starts a new sequence: drop that slot's state."""
+
+    def attach(self, model) -> contextlib.AbstractContextManager:
+        """The context the run's forwards run in (the packed `quant` store's attention); none here."""
+        return contextlib.nullcontext()
 
     def before_compaction(self, cache, rows: list[int], keep: torch.Tensor, view) -> None:
         """Rewrite kept tokens' stored tensors before the cache keeps only `keep`."""

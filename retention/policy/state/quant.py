@@ -1,7 +1,23 @@
-"""The `quant` state: a KIVI-style quantised tail (`retention.policy.state.base`)."""
+"""The `quant` state: a KIVI-style quantised tail (`retention.policy.state.base`).
+
+Two stores, one rule (`store`):
+
+* `packed` (new runs): the cache really holds codes and float16 grids (`retention.runtime.packed_kv`)
+  and its attention dequantises them a chunk at a time (`retention.runtime.packed_attention`); the
+  meter's KiB are the bytes of those tensors. A prefill's plain cache is turned packed at its first
+  hook (`after_step` or `after_compaction`), so every batch cache built from it is packed.
+* `simulated` (every configuration written before the packed store: an arm configuration without
+  `store`, recorded without it): the dequantised values overwrite the model-dtype buffers in place,
+  and the meter counts what a packed store would hold.
+
+Which one an arm runs: its configuration's `store`, absent meaning simulated (the `sampler`
+precedent); the entry points that start new runs (`retention run`/`check`, the API, `preregister`)
+name `packed` where the user names no store (`retention.policy.registry.new_run_entry`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -10,6 +26,10 @@ import torch
 
 from retention.errors import RetentionError
 from retention.policy.state.base import SCALE_BYTES, State, full_token_bytes, kept_flags
+from retention.runtime.packed_attention import packed_attention
+from retention.runtime.packed_kv import PackSpec, quantise, row_bytes, to_packed
+
+STORES = ("packed", "simulated")
 
 
 @dataclass
@@ -25,6 +45,9 @@ class Quant(State):
     # of its tokens does, so evictions make them dearer); "token": keys like values, per token over
     # groups of `group` channels (a fixed cost per token, so a byte budget is held exactly).
     keys: str = "channel"
+    # "packed": codes in the cache, attention dequantises on the fly; "simulated": dequantised values in
+    # the model's dtype, bytes metered as if packed (module docstring). Recorded only when packed.
+    store: str = "packed"
     _kib: dict = field(default_factory=dict, init=False, repr=False)  # slot -> (KiB at the last event, length then)
     _mark: dict = field(default_factory=dict, init=False, repr=False)  # slot -> positions below it are quantised
 
@@ -35,6 +58,34 @@ class Quant(State):
             raise RetentionError(f"quant.group must be >= 1 and quant.residual >= 0, got {self.group}, {self.residual}")
         if self.keys not in ("channel", "token"):
             raise RetentionError(f"quant.keys must be channel or token, got {self.keys!r}")
+        if self.store not in STORES:
+            raise RetentionError(f"quant.store must be packed or simulated, got {self.store!r}")
+
+    @classmethod
+    def written_params(cls, params: dict) -> dict:
+        """A configuration's parameters as it ran: one without `store` (every configuration written
+        before it) ran the simulated store, as a configuration without `sampler` was drawn by
+        `multinomial`. New runs name `store` (`new_run_params`)."""
+        return params if "store" in params else {**params, "store": "simulated"}
+
+    @classmethod
+    def new_run_params(cls) -> dict:
+        """What a run started now gets where its entry sets no `store` (`registry.new_run_entry`)."""
+        return {"store": "packed"}
+
+    @classmethod
+    def unrecorded(cls) -> dict:
+        """Parameters left out of the recorded configuration at these values (absent is how a
+        configuration says simulated: its hash is the one it had before `store`)."""
+        return {"store": "simulated"}
+
+    def attach(self, model):
+        """The packed store's attention for the run's forwards (`packed_attention`)."""
+        return packed_attention(model) if self.store == "packed" else contextlib.nullcontext()
+
+    def _spec(self, cache) -> PackSpec:
+        kb = cache.layers[0].stores["k"]
+        return PackSpec(self.bits, self.group, self.keys, self.residual + self.group, kb.dtype)
 
     def check(self, head_dims) -> None:
         super().check(head_dims)
@@ -78,11 +129,16 @@ class Quant(State):
                if next_position[r] - self._mark.get(cache.slots[r], 0) >= self.residual + self.group]
         if due:
             self._event(cache, due, next_position, kib_per_token)
+        elif self.store == "packed" and cache.layers[0].packed is None:
+            self._event(cache, [], next_position, kib_per_token)  # a prefill's plain cache: packed now
 
     def _event(self, cache, rows, next_position, kib_per_token) -> None:
         """Quantise every stored token of `rows` older than the residual window, recount their KiB."""
         for r in rows:
             self._mark[cache.slots[r]] = next_position[r] - self.residual
+        if self.store == "packed":
+            self._event_packed(cache, rows, kib_per_token)
+            return
         dev = cache.layers[0].pbuf.device
         ridx = torch.tensor(rows, device=dev)
         lens = torch.tensor([cache.lengths[r] for r in rows], device=dev)
@@ -122,6 +178,32 @@ class Quant(State):
         for r, k in zip(rows, kib, strict=True):
             self._kib[cache.slots[r]] = (k, cache.lengths[r])
 
+    def _event_packed(self, cache, rows, kib_per_token) -> None:
+        """The packed store's event: a plain cache turned packed (rows not due keep their marks), the
+        due rows quantised, their KiB recounted from the tensors (`packed_kv.row_bytes`)."""
+        dev = cache.layers[0].pbuf.device
+        if cache.layers[0].packed is None:
+            cut = torch.tensor([self._mark.get(s, 0) for s in cache.slots], device=dev)
+            lens = torch.tensor(cache.widths, device=dev)
+            spec = self._spec(cache)
+            for layer in cache.layers:
+                to_packed(layer, spec, lens, cut)
+                layer.set_width(layer.positions.shape[-1])
+        elif rows:
+            ridx = torch.tensor(rows, device=dev)
+            lens = torch.tensor([cache.widths[r] for r in rows], device=dev)
+            cut = torch.tensor([self._mark[cache.slots[r]] for r in rows], device=dev)
+            for layer in cache.layers:
+                quantise(layer, ridx, lens, cut)
+        if not rows:
+            return
+        ridx = torch.tensor(rows, device=dev)
+        lens = torch.tensor([cache.widths[r] for r in rows], device=dev)
+        scale = kib_per_token / full_token_bytes(cache)
+        got = sum(row_bytes(layer, ridx, lens) for layer in cache.layers)
+        for r, b in zip(rows, (got.double() * scale).tolist(), strict=True):  # the one host read of the event
+            self._kib[cache.slots[r]] = (b, cache.lengths[r])
+
     def row_kib(self, cache, row, kib_per_token) -> float:
         got = self._kib.get(cache.slots[row])
         if got is None:  # before the sequence's first compaction: every token in full precision
@@ -131,6 +213,10 @@ class Quant(State):
 
     def kept_state(self, cache, rows) -> dict[str, list[torch.Tensor]]:
         """`quantised`: kept tokens stored quantised (after the compaction's own quantisation event)."""
+        if cache.layers[0].packed is not None:
+            k = cache.lengths[rows[0]]
+            return {"quantised": [ly.stores["slot"][:, :, :k].index_select(0, torch.tensor(rows, device=ly.pbuf.device)) != 0
+                                  for ly in cache.layers]}
         return {"quantised": kept_flags(cache, rows, "quant.chunk")}
 
     def reset_slot(self, slot: int, seed: int) -> None:
@@ -138,7 +224,13 @@ class Quant(State):
         self._mark.pop(slot, None)
 
     def stored_kib(self, cache, row: int, kib_per_token: float) -> float:
-        """The recount, token by token on the host (slow; the contract kit's independent figure)."""
+        """The recount, token by token on the host (slow; the contract kit's independent figure); a
+        packed cache: the bytes its tensors hold for the row (`packed_kv.row_bytes`)."""
+        if cache.layers[0].packed is not None:
+            dev = cache.layers[0].pbuf.device
+            ridx, lens = torch.tensor([row], device=dev), torch.tensor([cache.widths[row]], device=dev)
+            got = sum(int(row_bytes(layer, ridx, lens)[0]) for layer in cache.layers)
+            return got * kib_per_token / full_token_bytes(cache)
         total = 0.0
         n = cache.lengths[row]
         for layer in cache.layers:

@@ -80,7 +80,8 @@ def test_the_tail_changes_no_record(models, stats_path, dtype, name):
 
 
 MECHANISMS = [("routing", "adakv", {}), ("routing", "pyramidkv", {}), ("routing", "per-layer", {}),
-              ("state", "quant", {"bits": 4, "residual": 8}), ("state", "merge", {}),
+              ("state", "quant", {"bits": 4, "residual": 8}), ("state", "quant", {"bits": 4, "residual": 8, "store": "simulated"}),
+              ("state", "merge", {}),
               ("decoding", "loop-guard", {"ngram": 3, "max_repeats": 1, "window": 32}), ("cadence", "newline", {})]
 
 
