@@ -60,7 +60,8 @@ class MemoryChoice:
 @click.option("--model", default="smollm2-135m", show_default=True, help="Model alias or local folder.")
 @click.option("--scorer", "--scorers", "scorers", default="full,streaming,random", show_default=True,
               help="Comma list of scorers and reference variants (dynamic-cache: plain transformers DynamicCache; "
-                   "ideal-crop: DynamicCache cut to the budget after every step, no scoring). --scorers: old name.")
+                   "ideal-crop: DynamicCache cut to the budget after every step, no scoring); SCORER+STATE adds a "
+                   "state at its defaults (triattention+quant: the packed int8 store). --scorers: old name.")
 @click.option("--layouts", default=None,
               help="Comma list of the 124M study layouts (mha, gqa, mqa, mla, mla-materialised): time one decode "
                    "step against context on random weights instead of the scorer benchmark.")
@@ -209,29 +210,32 @@ def _layout_bench(layouts, given, contexts, batch_sizes, steps, dtype, device, t
 
 def _variant_names(scorers: str) -> list[str]:
     """The comma list of `--scorer`: scorers and reference variants, each name known."""
-    from retention.runs.bench import REFERENCE_VARIANTS
-    from retention.policy.registry import get_scorer_class
+    from retention.runs.bench import REFERENCE_VARIANTS, split_variant
+    from retention.policy.registry import get_scorer_class, mechanism_class
 
     names = [s.strip() for s in scorers.split(",") if s.strip()]
     if not names:
         raise RetentionError("--scorer needs at least one scorer name")
     for n in names:
         if n not in REFERENCE_VARIANTS:
-            get_scorer_class(n)  # fail fast on an unknown name
+            scorer, state = split_variant(n)
+            get_scorer_class(scorer)  # fail fast on an unknown name
+            if state is not None:
+                mechanism_class("state", state)
     return names
 
 
 def _check_variants(names, budget, interval, modes, stats_path, lam) -> None:
     """What `run` refuses, refused before the model loads: an option no listed scorer takes, a file
     that is not statistics, a cadence a scorer cannot run (in every accounting mode)."""
-    from retention.runs.bench import REFERENCE_VARIANTS
+    from retention.runs.bench import REFERENCE_VARIANTS, split_variant
     from retention.runs.scorer_options import resolve
     from retention.policy.composite import cadence_for
     from retention.policy.registry import make_scorer
 
     if lam is not None and lam != lam:  # click's FloatRange lets nan through
         raise click.BadParameter("nan is not a number", param_hint="'--lambda'")
-    scorer_names = [n for n in names if n not in REFERENCE_VARIANTS]
+    scorer_names = [split_variant(n)[0] for n in names if n not in REFERENCE_VARIANTS]
     if scorer_names:
         resolve(scorer_names, {"--stats": stats_path, "--lambda": lam})
     if stats_path is not None:

@@ -35,7 +35,7 @@ from retention.runs.scorer_options import scorer_fields
 from retention.runtime.engine import Engine, Request, SamplingConfig, cache_kwarg
 from retention.runtime.generate import generate
 from retention.runtime.syncs import count_host_reads, synced_now
-from retention.policy.registry import get_scorer_class
+from retention.policy.registry import get_scorer_class, new_run_entry
 from retention.versions import library_versions
 
 DYNAMIC = "dynamic-cache"
@@ -43,15 +43,25 @@ IDEAL = "ideal-crop"
 REFERENCE_VARIANTS = (DYNAMIC, IDEAL)
 
 
-def variant_policy(model: str, scorer: str, budget: int | None, interval: int | None, accounting: str, params: dict):
+def split_variant(variant: str) -> tuple[str, str | None]:
+    """A variant is a scorer, or `SCORER+STATE` with a state mechanism at its defaults for a new run
+    (`triattention+quant`: TriAttention over the packed int8 store)."""
+    scorer, _, state = variant.partition("+")
+    return scorer, state or None
+
+
+def variant_policy(model: str, variant: str, budget: int | None, interval: int | None, accounting: str, params: dict):
     """The policy of one variant, built as `retention run` builds an arm (`validate_arm` -> ArmSpec);
     `params` are shared by every variant: each scorer takes the ones it has."""
+    scorer, state = split_variant(variant)
     fields = scorer_fields(scorer)
     evicts = get_scorer_class(scorer).evicts
-    spec = validate_arm({"model": model, "scorer": scorer, "budget": budget if evicts else None,
-                         "interval": interval if evicts else None, "accounting": accounting,
-                         "scorer_params": {k: v for k, v in params.items() if k in fields and v is not None}})
-    return spec.policy()
+    arm = {"model": model, "scorer": scorer, "budget": budget if evicts else None,
+           "interval": interval if evicts else None, "accounting": accounting,
+           "scorer_params": {k: v for k, v in params.items() if k in fields and v is not None}}
+    if state is not None:
+        arm["state"] = new_run_entry("state", state)
+    return validate_arm(arm).policy()
 
 
 def _median_ms(xs: list[float]) -> float | None:
@@ -72,7 +82,7 @@ class _EngineStepper:
     """A scorer variant: the batched engine on `S` copies of the prompt."""
 
     def __init__(self, loaded, prompt, scorer, budget, interval, accounting, params, S, new_tokens):
-        self.name, self.accounting, self.model = scorer, accounting, loaded.model
+        self.name, self.accounting, self.model = scorer, accounting, loaded.model  # scorer: the variant's name
         self.policy = variant_policy(loaded.name, scorer, budget, interval, accounting, params)
         self.gens = []
         cfg = SamplingConfig(max_new_tokens=new_tokens, ignore_eos=True)

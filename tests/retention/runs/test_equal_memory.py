@@ -66,3 +66,25 @@ def test_memory_options_need_the_budget():
     assert res.exit_code != 0 and "--memory-sequences" in res.output and "only with --memory-budget" in res.output
     res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--memory-budget", "0"])
     assert res.exit_code != 0 and "--memory-budget" in res.output
+
+
+def test_quant_variant_gets_slots_from_its_packed_bytes(tmp_path):
+    """`streaming+quant`: the packed store's metered peak KiB (codes, grids and the full-precision ring,
+    from the tensors) is below the same budget in full precision, so the memory holds more of its slots;
+    every arm decodes the same sequences and its decode-only tok/s is reported."""
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--scorers", "full,streaming,streaming+quant",
+                                    "--budget", "96", "--interval", "16", "--new-tokens", "40", "--problems", "0",
+                                    "--batch-sizes", "2", "--context", "120", "--memory-budget", "1",
+                                    "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    mem = {r["variant"]: r for r in json.loads(out.read_text())["equal_memory"]}
+    same = {r["variant"]: r for r in json.loads(out.read_text())["speed"]}
+    assert same["streaming+quant"]["cache_peak_tokens"] == same["streaming"]["cache_peak_tokens"]
+    assert mem["streaming+quant"]["peak_kib_per_sequence"] < mem["streaming"]["peak_kib_per_sequence"]
+    assert mem["streaming+quant"]["slots"] > mem["streaming"]["slots"] > mem["full"]["slots"]
+    for r in mem.values():
+        assert r["tokens"] == r["sequences"] * 40 and r["decode_tokens_per_second"] > 0
+    assert "streaming+quant/mean" in res.output
+    bad = CliRunner().invoke(main, ["bench", "--model", "tiny-random", "--scorers", "streaming+nosuch"])
+    assert bad.exit_code != 0 and "nosuch" in bad.output
