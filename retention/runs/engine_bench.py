@@ -1,10 +1,10 @@
 """`retention bench --engine hf,vllm,llamacpp`: full-cache decode of this project's engine, of vLLM and of
 llama.cpp, side by side.
 
-Both engines decode the same prompt token ids (`context` tokens of real text, `bench.context_prompt`),
-`S` copies per batch, EOS ignored, for `new_tokens` tokens, in the same dtype and on the same number
-of CPU threads; the figure of each is steady decode, aggregate tokens/s over the batch, the first
-token (which comes from the prefill) left out on both sides:
+Every engine decodes the same prompt token ids (`context` tokens of real text, `bench.context_prompt`),
+`S` copies per batch, EOS ignored, for `new_tokens` tokens, in the same dtype (llama.cpp: its GGUF's
+own types) and on the same number of CPU threads; the figure of each is steady decode, aggregate
+tokens/s over the batch, the first token (which comes from the prefill) left out on every side:
 
 * hf: this project's batched engine with the `full` policy (`bench.speed_rows`, the figure of a
   plain `retention bench --scorer full`): `S * (N - 1)` tokens over the summed decode-step times.
@@ -25,8 +25,9 @@ run as the cross-engine one. The cross-engine figure is the full arm's first pas
 alone: beside four arms it decoded 24% slower in one run and 3% in another (smollm2 bf16, 64 slots:
 `results/engine-vs-vllm/`).
 
-Threads: the child gets `OMP_NUM_THREADS` = this process's torch thread count and
-`VLLM_CPU_OMP_THREADS_BIND=nobind`, so neither engine pins its threads to cores. The engines run one
+Threads: vLLM's child gets `OMP_NUM_THREADS` = this process's torch thread count and
+`VLLM_CPU_OMP_THREADS_BIND=nobind`, so neither engine pins its threads to cores; llama.cpp's gets the
+same count as its `n_threads` (and `OMP_NUM_THREADS`), unpinned as ggml leaves them. The engines run one
 after the other (per dtype: this project's, then vLLM's; llama.cpp's last), never at the same time.
 """
 
