@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 OUT ?= results/demo
 
-.PHONY: install install-real-models run run-real run-small test test-fast test-ray test-vllm bench-vllm clean
+.PHONY: install install-real-models run run-real run-small test test-fast test-ray test-vllm bench-vllm test-llamacpp bench-llamacpp clean
 
 install: $(VENV)/.installed
 
@@ -109,5 +109,36 @@ bench-vllm: install $(VLLM_VENV)/.installed $(if $(BENCH_ARMS),$(BENCH_STATS))
 		--model $(BENCH_MODEL) --dtype bfloat16,float32 --out $(BENCH_OUT) \
 		$(if $(BENCH_ARMS),--scorer $(BENCH_ARMS) --budget 128 --stats $(BENCH_STATS)) $(BENCH_ARGS) > /dev/null
 
+# Opt-in: llama.cpp in its own environment (.venv-llamacpp). llama-cpp-python is on the package
+# registry as a source distribution only: pip compiles llama.cpp (CPU backend, -march=native) on
+# install, about 10 minutes on 2 cores (10 min 28 s here, 2026-12-07, beside another job). The child
+# (retention/runs/engines/llamacpp_bench.py) needs nothing else: it imports the standard library and
+# llama_cpp, and this checkout through PYTHONPATH (the GGUF's header is read on this project's side,
+# in .venv, which has the gguf package).
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+$(LLAMACPP_VENV)/.installed:
+	test -x $(LLAMACPP_VENV)/bin/python || $(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMACPP_VENV)/bin/pip install -q "$(LLAMACPP_SPEC)"
+	touch $@
+
+# The real llama.cpp child on smollm2-135m, beside this engine, tiny (batch 1 and 4, 6 new tokens).
+test-llamacpp: install $(LLAMACPP_VENV)/.installed
+	RETENTION_TEST_LLAMACPP=1 RETENTION_LLAMACPP_PYTHON=$(abspath $(LLAMACPP_VENV))/bin/python \
+		$(BIN)/python -m pytest -q -s tests/retention/runs/test_engine_llamacpp.py
+
+# This project's engine against llama.cpp (`retention bench --engine hf,llamacpp`): full-cache decode of
+# both on the same GGUF file, prompt token ids, thread count and new tokens (EOS ignored, greedy), batch 1,
+# 16 and 64 (llama.cpp decodes the sequences as one batch per step), context 256, 256 new tokens; the
+# table on the terminal, the figures in LLAMACPP_OUT (docs/speed.md). This engine in bfloat16 only:
+# llama.cpp computes on the GGUF's own quantised blocks whatever dtype is asked, so a float32 row would
+# set this engine's float32 against the same llama.cpp figure. The committed figures
+# (results/bench-llamacpp/) came from BENCH_ARGS="--max-new-tokens 64 --threads 2".
+LLAMACPP_OUT ?= results/bench-llamacpp/$(BENCH_MODEL).json
+bench-llamacpp: install $(LLAMACPP_VENV)/.installed
+	RETENTION_LLAMACPP_PYTHON=$(abspath $(LLAMACPP_VENV))/bin/python $(BIN)/python -m retention.cli bench \
+		--engine hf,llamacpp --model $(BENCH_MODEL) --dtype bfloat16 --out $(LLAMACPP_OUT) $(BENCH_ARGS) > /dev/null
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results/demo results/demo-small results/demo-real
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_VENV) results/demo results/demo-small results/demo-real

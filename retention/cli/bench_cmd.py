@@ -88,7 +88,8 @@ class MemoryChoice:
               help="alpha/rkv redundancy weight.")
 @click.option("--dtype", default="float32", show_default=True,
               help="float32, bfloat16 or float16. With --layouts the default is bfloat16 (the study's); with "
-                   "--engine hf,vllm: a comma list (e.g. bfloat16,float32), default bfloat16.")
+                   "--engine hf,vllm: a comma list (e.g. bfloat16,float32), default bfloat16 (llama.cpp computes on "
+                   "the GGUF's quantised weights whatever the dtype: it runs once, its figure beside every dtype).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", type=click.IntRange(min=1, max=1024), default=None,
               help="torch CPU threads, at most the CPU count (default: torch's choice).")
@@ -97,7 +98,9 @@ class MemoryChoice:
                    "dtype, threads; vLLM in its own environment, $RETENTION_VLLM_PYTHON or .venv-vllm, as `make "
                    "bench-vllm` builds it) [defaults there: --batch-sizes 1,16,64 --context 256 --max-new-tokens 256]; "
                    "with --scorer, this engine's other arms (at --budget) beside its full one, as ratios to it; "
-                   "vllm alone: vLLM only.")
+                   "vllm alone: vLLM only. llamacpp (e.g. hf,llamacpp or hf,vllm,llamacpp): llama.cpp on the model's "
+                   "GGUF file, the sequences decoded as one batch per step (llama-cpp-python in its own environment, "
+                   "$RETENTION_LLAMACPP_PYTHON or .venv-llamacpp, as `make bench-llamacpp` builds it).")
 @click.option("--vllm-eager", is_flag=True, default=False,
               help="With --engine ...vllm: run vLLM without torch.compile (as `retention run --engine vllm` does).")
 @click.option("--memory-budget", "memory_mib", type=click.FloatRange(min=0, min_open=True, max=1 << 30), default=None,
@@ -119,7 +122,8 @@ def bench_command(ctx, model, layouts, dtype, device, threads, engines, vllm_eag
                   arms: BenchArms, shape: BenchShape, memory: MemoryChoice):
     """Measure decode tokens/s, compaction vs decode-step time, measured cache and agreement with `full`;
     with --layouts, decode step time against context for the 124M study layouts (random weights); with
-    --engine hf,vllm, full-cache decode of this project's engine against vLLM's."""
+    --engine hf,vllm,llamacpp (any of them), full-cache decode of this project's engine against vLLM's and
+    llama.cpp's."""
     # The helpers below take the values one by one (each benchmark reads its own few).
     scorers, budget, budget_kib, interval, accounting, stats_path, lam = (
         arms.scorers, arms.budget, arms.budget_kib, arms.interval, arms.accounting, arms.stats_path, arms.lam)
@@ -133,7 +137,9 @@ def bench_command(ctx, model, layouts, dtype, device, threads, engines, vllm_eag
     dtypes, engine_names = _dtype_list(dtype), parse_engines(engines)
     if engine_names != ["hf"]:
         if layouts is not None:
-            raise RetentionError("--engine with vllm measures a model's full-cache decode, not --layouts")
+            raise RetentionError(f"--engine {engines} measures a model's full-cache decode, not --layouts")
+        if "vllm" not in engine_names:
+            _refuse_foreign(given, {"vllm_eager"}, "only with --engine ...vllm")
         _engine_bench(model, engine_names, given, dtypes, contexts, batch_sizes, new_tokens, device, threads,
                       vllm_eager, out, splits_dir, scorers, budget, interval, stats_path, lam)
         return
@@ -249,8 +255,8 @@ def _check_variants(names, budget, interval, modes, stats_path, lam) -> None:
 
 def _engine_bench(model, engines, given, dtypes, contexts, batch_sizes, new_tokens, device, threads, vllm_eager, out,
                   splits_dir, scorers, budget, interval, stats_path, lam) -> None:
-    """`--engine hf,vllm` (or vllm): validate, then measure (`retention.runs.engine_bench`). With
-    `--scorer`, this engine's other variants run beside its full arm (`engine_bench.Arms`)."""
+    """`--engine hf,vllm,llamacpp` (or any of them): validate, then measure (`retention.runs.engine_bench`).
+    With `--scorer`, this engine's other variants run beside its full arm (`engine_bench.Arms`)."""
     from protocol.splits import load_split
     from retention.models import resolve_device
     from retention.runs.engine_bench import Arms, run_engine_bench
@@ -258,11 +264,12 @@ def _engine_bench(model, engines, given, dtypes, contexts, batch_sizes, new_toke
     arm_options = {"scorers", "budget", "interval", "stats_path", "lam"}
     allowed = {"model", "engines", "vllm_eager", "contexts", "batch_sizes", "new_tokens", "dtype", "device", "threads",
                "out", "splits_dir"} | arm_options
-    _refuse_foreign(given, set(given) - allowed, "not with --engine ...vllm")
+    _refuse_foreign(given, set(given) - allowed, f"not with --engine {','.join(engines)}")
     arms = Arms()
     if "scorers" in given:
         if "hf" not in engines:
-            raise RetentionError("--scorer with --engine vllm: vLLM runs the full cache only (add hf to measure arms)")
+            raise RetentionError(f"--scorer with --engine {','.join(engines)}: another engine runs the full cache "
+                                 "only (add hf to measure arms)")
         names = [n for n in _variant_names(scorers) if n != "full"]  # full is always measured: the ratios' base
         _check_variants(names, budget, interval, ["mean"], stats_path, lam)
         params = tuple((k, v) for k, v in (("stats", stats_path), ("lam", lam)) if v is not None)

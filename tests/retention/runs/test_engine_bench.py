@@ -237,10 +237,10 @@ def test_missing_vllm_environment_says_how_to_build_it(tiny_folder, tmp_path, mo
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--engine", "vllm", "--scorer", "streaming"], "vLLM runs the full cache only"),
+    (["--engine", "vllm", "--scorer", "streaming"], "--engine vllm: another engine runs the full cache only"),
     (["--engine", "hf,vllm", "--budget", "64"], "--budget: only with --scorer"),
-    (["--engine", "hf,vllm", "--problems", "3"], "--problems: not with --engine ...vllm"),
-    (["--engine", "hf,vllm", "--budget-bytes", "9"], "--budget-bytes: not with --engine ...vllm"),
+    (["--engine", "hf,vllm", "--problems", "3"], "--problems: not with --engine hf,vllm"),
+    (["--engine", "hf,vllm", "--budget-bytes", "9"], "--budget-bytes: not with --engine hf,vllm"),
     (["--engine", "hf,vllm", "--scorer", "streaming", "--lambda", "0.5"], "--lambda is not a parameter of any listed"),
     (["--engine", "hf,vllm", "--scorer", "full,nope"], "unknown scorer 'nope'"),
     (["--engine", "hf,vllm", "--layouts", "mha"], "not --layouts"),
