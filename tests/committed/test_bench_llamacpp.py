@@ -15,7 +15,7 @@ from retention.runs.engine_bench import Comparison, format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "results" / "bench-llamacpp"
-RUNS = ("smollm2-135m", "qwen2.5-coder-0.5b", "smollm2-135m-threads2")
+RUNS = ("smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b")
 
 
 def _figures(name: str) -> dict:
@@ -35,7 +35,7 @@ def test_readme_table_is_the_json_table(name):
     assert [(r["batch_size"], r["generated_tokens"]) for r in fig["llamacpp"]] == [(1, 64), (16, 1024), (64, 4096)]
 
 
-@pytest.mark.parametrize("name", RUNS[:2])
+@pytest.mark.parametrize("name", RUNS)
 def test_speed_doc_rows_are_the_json(name):
     doc = (ROOT / "docs" / "speed.md").read_text()
     for c in _figures(name)["comparison"]:
