@@ -161,7 +161,7 @@ def new_run_entry(fam: str, entry):
         cls = mechanism_class(fam, name)
     except RetentionError:
         return entry  # refused with its own line by validation
-    extra = getattr(cls, "new_run_params", dict)()
+    extra = cls.new_run_params()
     if not extra:
         return entry
     params = dict(entry.get("params") or {}) if isinstance(entry, dict) else {}
@@ -209,10 +209,9 @@ class MechanismSpec:
 
     def build(self, **base):
         """A fresh instance (per-run state never leaks between runs)."""
-        kwargs = scorer_kwargs(self.cls, self.kwargs) if self.family == "scorer" else self.kwargs
-        written = getattr(self.cls, "written_params", None)
-        if written is not None:  # a parameter the record leaves out at the value it ran with (`Quant.store`)
-            kwargs = written(kwargs)
+        # A parameter the record leaves out at the value it ran with (`Quant.store`): `written_params`.
+        kwargs = (scorer_kwargs(self.cls, self.kwargs) if self.family == "scorer"
+                  else self.cls.written_params(self.kwargs))
         return construct(self.family, self.name, self.cls, kwargs, self.plugin is None, **base)
 
     def record(self) -> dict:

@@ -150,9 +150,7 @@ def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | Non
     unknown = sorted(set(params) - set(fields))
     if unknown:
         raise RetentionError(f"{fam} {name!r} has no parameter(s) {unknown}; it takes {sorted(fields) or 'none'}")
-    written = getattr(cls, "written_params", None)
-    if written is not None:  # a configuration written before a parameter existed: what it ran with
-        params = written(params)
+    params = cls.written_params(params)  # a configuration written before a parameter existed: what it ran with
     params = typed_params(cls, params, name)
     build = {"budget": None, "interval": 1} if fam == "cadence" else {}  # a cadence is built at its budget later
     identity = mechanism_identity(fam, name, cls)
@@ -163,7 +161,7 @@ def _resolve_mechanism(fam: str, name: str, params: dict, registered: dict | Non
         name = FAMILIES[fam].default
         cls = FAMILIES[fam].builtins[name]
         fields, rec, identity = class_fields(fam, cls), construct(fam, name, cls, {}, True, **build), None
-    unrecorded = getattr(type(rec), "unrecorded", dict)()  # a value the configuration says by leaving it out
+    unrecorded = type(rec).unrecorded()  # a value the configuration says by leaving it out
     resolved = canonical_values({k: getattr(rec, k) for k in sorted(fields)
                                  if k not in unrecorded or getattr(rec, k) != unrecorded[k]}, name)
     return MechanismSpec.of(fam, name, resolved, identity, cls), obj
