@@ -22,6 +22,8 @@ from pathlib import Path
 
 from retention.errors import RetentionError
 from retention.models.aliases import SMOLLM2_PACKAGE, SPLIT_GGUFS, resolve_model
+from retention.models.gguf import gguf_quant, locate_parts
+from retention.models.weights_cache import smollm2_gguf_path
 from retention.runs.engines.child import run_child
 from retention.runs.engines.llamacpp_bench import LlamaCppRequest, LlamaCppResult
 from retention.runs.engines.vllm_bench import Point
@@ -52,7 +54,6 @@ def require_gguf(model: str) -> None:
         raise RetentionError(f"--engine llamacpp loads a GGUF file; {model} is a {ref.kind} model with none "
                              "(use smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b or a path to a .gguf file)")
     if ref.kind == "parts":  # deferred: importlib lookups of the part packages, only for such a model
-        from retention.models.gguf import locate_parts
 
         locate_parts(SPLIT_GGUFS[ref.source])
 
@@ -69,11 +70,9 @@ def gguf_file(model: str) -> Iterator[Path]:
     if ref.kind == "gguf":
         if ref.source != SMOLLM2_PACKAGE:  # the one packaged GGUF alias today; a new one needs its lookup here
             raise RetentionError(f"no GGUF lookup for the package {ref.source!r}")
-        from retention.models.weights_cache import smollm2_gguf_path
 
         yield smollm2_gguf_path()
         return
-    from retention.models.gguf import locate_parts
 
     spec = SPLIT_GGUFS[ref.source]
     with tempfile.TemporaryDirectory(prefix="retention-llamacpp-") as tmp:
@@ -97,8 +96,6 @@ def gguf_weight_types(path: Path) -> dict:
     (`Q4_K`, `Q6_K`, `F32`, ...) it holds: the blocks llama.cpp computes on."""
     # deferred: gguf reads the header only when a llama.cpp run is asked for
     from gguf import GGMLQuantizationType, GGUFReader
-
-    from retention.models.gguf import gguf_quant
 
     reader = GGUFReader(str(path))
     counts = Counter(GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)

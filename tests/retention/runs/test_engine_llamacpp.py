@@ -218,7 +218,7 @@ def _fake_split(tmp_path, monkeypatch, content: bytes, sha: str):
     parts[1].write_bytes(content[5:])
     spec = replace(SPLIT_GGUFS["qwen2.5-coder-0.5b"], parts=2, size=len(content), sha256=sha)
     monkeypatch.setitem(SPLIT_GGUFS, "qwen2.5-coder-0.5b", spec)
-    monkeypatch.setattr("retention.models.gguf.locate_parts", lambda s: parts if s is spec else pytest.fail("spec"))
+    monkeypatch.setattr(engine_llamacpp, "locate_parts", lambda s: parts if s is spec else pytest.fail("spec"))
 
 
 def test_a_split_model_is_assembled_verified_and_deleted(tmp_path, monkeypatch):
