@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from retention.errors import RetentionError
-from retention.runs.engines.vllm_bench import Point
+from retention.runs.engines.vllm_bench import Point, points_from_json
 
 GREEDY = "greedy"  # the sampling of every point (the only one measured)
 AMX_FEATURE = "AMX_INT8 = 1"  # in `llama_print_system_info` where ggml's CPU backend would use AMX
@@ -68,9 +68,7 @@ class LlamaCppRequest:
     @classmethod
     def from_json(cls, text: str) -> LlamaCppRequest:
         raw = json.loads(text)
-        points = tuple(Point(int(p["context"]), int(p["batch_size"]), tuple(int(i) for i in p["prompt_ids"]))
-                       for p in raw.pop("points"))
-        return cls(points=points, **raw)
+        return cls(points=points_from_json(raw.pop("points")), **raw)
 
 
 @dataclass(frozen=True)

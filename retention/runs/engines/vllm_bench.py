@@ -37,6 +37,11 @@ class Point:
     prompt_ids: tuple[int, ...]
 
 
+def points_from_json(raw: list[dict]) -> tuple[Point, ...]:
+    """A request's points read back from its JSON (lists become the tuples `Point` holds)."""
+    return tuple(Point(int(p["context"]), int(p["batch_size"]), tuple(int(i) for i in p["prompt_ids"])) for p in raw)
+
+
 @dataclass(frozen=True)
 class BenchRequest:
     weights: str  # a model folder (or hub id), as `retention.runs.engine_runs.resolve_weights` names it
@@ -51,9 +56,7 @@ class BenchRequest:
     @classmethod
     def from_json(cls, text: str) -> BenchRequest:
         raw = json.loads(text)
-        points = tuple(Point(int(p["context"]), int(p["batch_size"]), tuple(int(i) for i in p["prompt_ids"]))
-                       for p in raw.pop("points"))
-        return cls(points=points, **raw)
+        return cls(points=points_from_json(raw.pop("points")), **raw)
 
 
 @dataclass(frozen=True)
