@@ -133,22 +133,30 @@ def _make_capture_fn(original: str) -> Callable:
     return capture_attention
 
 
-def _capture_name(original: str) -> str:
-    """Register (once) the recording attention + mask functions that stand in for `original`."""
+def register_standin(prefix: str, original: str, make_fn: Callable, refusal: str, registered: dict) -> str:
+    """Register (once) an attention function standing in for implementation `original` under
+    `prefix` (`prefix_original` but for sdpa), with `original`'s mask function, and return its name.
+    `make_fn(original)` builds it; `registered` maps each stand-in name to its original. Shared by the
+    query capture here and the packed store's attention (`retention.runtime.packed_attention`)."""
     # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
-    name = CAPTURE_NAME if original == "sdpa" else f"{CAPTURE_NAME}_{original}"
-    if name not in _REGISTERED:
+    name = prefix if original == "sdpa" else f"{prefix}_{original}"
+    if name not in registered:
         if original != "eager" and original not in AttentionInterface._global_mapping:
-            raise RetentionError(f"cannot capture queries under attention implementation {original!r}")
-        AttentionInterface.register(name, _make_capture_fn(original))
+            raise RetentionError(f"{refusal} under attention implementation {original!r}")
+        AttentionInterface.register(name, make_fn(original))
         mask_fn = AttentionMaskInterface._global_mapping.get(original)
         if mask_fn is not None:  # an implementation without a mask function gets none here either
             AttentionMaskInterface.register(name, mask_fn)
-        _REGISTERED[name] = original
+        registered[name] = original
     return name
+
+
+def _capture_name(original: str) -> str:
+    """Register (once) the recording attention + mask functions that stand in for `original`."""
+    return register_standin(CAPTURE_NAME, original, _make_capture_fn, "cannot capture queries", _REGISTERED)
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from retention.errors import RetentionError
-from retention.runtime.capture import CAPTURE_NAME, _eager_for
+from retention.runtime.capture import CAPTURE_NAME, _eager_for, register_standin
 from retention.runtime.packed_kv import CHUNK, PackedKV, codes_kv
 
 PACKED_NAME = "retention_packed"
@@ -137,20 +137,7 @@ def _make_fn(original: str) -> Callable:
 
 def packed_name(original: str) -> str:
     """Register (once) the packed attention and mask functions that stand in for `original`."""
-    # deferred: transformers.modeling_utils adds ~1.3 s to CLI start-up (the CLI imports this module)
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    name = PACKED_NAME if original == "sdpa" else f"{PACKED_NAME}_{original}"
-    if name not in _REGISTERED:
-        if original != "eager" and original not in AttentionInterface._global_mapping:
-            raise RetentionError(f"no packed attention for attention implementation {original!r}")
-        AttentionInterface.register(name, _make_fn(original))
-        mask_fn = AttentionMaskInterface._global_mapping.get(original)
-        if mask_fn is not None:  # the plain path's masks stay what the original builds
-            AttentionMaskInterface.register(name, mask_fn)
-        _REGISTERED[name] = original
-    return name
+    return register_standin(PACKED_NAME, original, _make_fn, "no packed attention", _REGISTERED)
 
 
 @contextlib.contextmanager
