@@ -25,7 +25,7 @@ import pandas as pd
 from protocol.io import read_jsonl
 from retention.errors import RetentionError
 from retention.plugins import register_class
-from retention.policy.registry import new_run_entry
+from retention.policy.registry import new_run_config
 from retention.runs.arms import validate_arm
 from retention.runs.jobs import execute
 from retention.runs.settings import Budget, RunSettings
@@ -82,9 +82,8 @@ def run_arm(model: str, scorer, budget: int | None = None, *, params: dict | Non
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, sampler=sampler, seed=seed,
         ignore_eos=ignore_eos, trace=trace, grade=grade, out=out, batch_size=batch_size, progress=progress)
     budget = Budget(budget, None, interval, accounting, sink, recent, protect_prompt, protect_prompt_counted)
-    families = {fam: new_run_entry(fam, entry) for fam, entry in (mechanisms or {}).items()}  # a new run's defaults
-    spec = validate_arm(dict(scorer=name, scorer_params=scorer_params, **families), settings=settings,
-                        budget=budget)
+    arm = new_run_config(dict(scorer=name, scorer_params=scorer_params, **(mechanisms or {})))  # a new run's defaults
+    spec = validate_arm(arm, settings=settings, budget=budget)
     (run_dir,) = execute(settings, [spec])
     return read_jsonl(Path(run_dir) / "records.jsonl", "record").objects
 

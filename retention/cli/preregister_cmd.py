@@ -21,13 +21,6 @@ from retention.runtime.sampling import DEFAULT_SAMPLER, SAMPLERS
 # helpers
 
 
-def _new_run(cfg: dict) -> dict:
-    """A new plan's arm with the parameters new runs get where it names none (`quant.store` packed)."""
-    from retention.policy.registry import FAMILIES, new_run_entry
-
-    return {k: new_run_entry(k, v) if k in FAMILIES else v for k, v in cfg.items()}
-
-
 def _arm_config(text: str | None, sets, what: str) -> dict:
     """An arm configuration from JSON (inline or @file) plus dotted KEY=VALUE settings."""
     cfg = {}
@@ -82,9 +75,11 @@ class PlanArms:
 
     @classmethod
     def from_options(cls, *, treatment, treatment_set, baseline, baseline_set, sampler) -> PlanArms:
+        from retention.policy.registry import new_run_config
         from retention.runs.arms import normalize_arm
 
-        return cls(*(normalize_arm(_new_run(_with_sampler(_arm_config(text, sets, flag), sampler)))
+        # A new plan's arms get the parameters new runs get where they name none (`quant.store` packed).
+        return cls(*(normalize_arm(new_run_config(_with_sampler(_arm_config(text, sets, flag), sampler)))
                      for text, sets, flag in ((treatment, treatment_set, "--treatment"),
                                               (baseline, baseline_set, "--baseline"))))
 

@@ -170,6 +170,11 @@ def new_run_entry(fam: str, entry):
     return out
 
 
+def new_run_config(cfg: dict) -> dict:
+    """An arm configuration being started now with `new_run_entry` applied to each family's entry."""
+    return {k: new_run_entry(k, v) for k, v in cfg.items()}
+
+
 def make_mechanism(fam: str, name: str, params: dict, **base):
     """An instance of mechanism `name` of family `fam` with `params`."""
     return construct(fam, name, mechanism_class(fam, name), params, **base)

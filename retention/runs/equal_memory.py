@@ -12,8 +12,9 @@ time (`tokens_per_second`). `decode_tokens_per_second` leaves out the time of st
 (prefills, prefill compactions, first tokens: `EngineStats.start_seconds`): the figure of a long
 generation, where a prompt's start is a small share, measured with a long prompt instead of thousands
 of generated tokens (a step's cost depends on the tokens held, not on where they came from). Copies of
-one prompt share one prefill forward (`Engine.share_prefill`). The arms step in turn (one engine step of each, round robin, until all are done) so that
-machine noise hits them alike; an arm's tokens/s is its tokens over the seconds of its own steps.
+one prompt share one prefill forward (`Engine.share_prefill`). The arms step in turn (one engine step
+of each, round robin, until all are done) so that machine noise hits them alike; an arm's tokens/s is
+its tokens over the seconds of its own steps.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def equal_memory_rows(loaded, prompt: list[int], arms: list[MemoryArm], policy_o
     for a in arms:
         row = {"variant": a.variant, "accounting": a.accounting, "peak_kib_per_sequence": a.peak_kib,
                "slots": a.slots, "slots_capped": a.capped, "sequences": Q if a.slots else 0,
-               "tokens": None, "seconds": None, "tokens_per_second": None}
+               "tokens": None, "seconds": None, "tokens_per_second": None, "decode_tokens_per_second": None}
         if a.slots:
             st = engines[a].stats
             decode_s = seconds[a] - st.start_seconds  # the steps' own time: starts are what a long prompt costs
@@ -106,11 +107,8 @@ def equal_memory_rows(loaded, prompt: list[int], arms: list[MemoryArm], policy_o
         out.append(row)
     full = next((r for r in out if r["variant"] == "full" and r["tokens_per_second"]), None)
     for r in out:
-        r["vs_full"] = (r["tokens_per_second"] / full["tokens_per_second"]
-                        if full is not None and r["tokens_per_second"] else None)
-        r["decode_vs_full"] = (r["decode_tokens_per_second"] / full["decode_tokens_per_second"]
-                               if full is not None and r.get("decode_tokens_per_second")
-                               and full.get("decode_tokens_per_second") else None)
+        for key, ratio in (("tokens_per_second", "vs_full"), ("decode_tokens_per_second", "decode_vs_full")):
+            r[ratio] = r[key] / full[key] if full is not None and r[key] and full[key] else None
     return out
 
 
@@ -128,7 +126,7 @@ def format_memory_table(memory_mib: float, rows: list[dict], equal_slot: list[di
         cap = "+" if r["slots_capped"] else " "
         lines.append(f"{r['variant'] + '/' + r['accounting']:>22} {r['peak_kib_per_sequence']:9.1f} | "
                      f"{r['slots']:>4}{cap} {fmt(r['tokens_per_second'], '9.1f')} {fmt(r['vs_full'], '6.2f')} "
-                     f"{fmt(r.get('decode_tokens_per_second'), '9.1f')} {fmt(r.get('decode_vs_full'), '6.2f')} | "
+                     f"{fmt(r['decode_tokens_per_second'], '9.1f')} {fmt(r['decode_vs_full'], '6.2f')} | "
                      f"{s['batch_size']:>5} {s['tokens_per_second']:9.1f} {fmt(x_same, '6.2f')}")
     if any(r["slots_capped"] for r in rows):
         lines.append("+: the memory holds more slots than --memory-max-slots; capped there")

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from retention.errors import RetentionError
-from retention.policy.registry import (FAMILIES, get_scorer_class, is_builtin, mechanism_class, mechanism_fields, new_run_entry,
-                                       scorer_parameters)
+from retention.policy.registry import (FAMILIES, get_scorer_class, is_builtin, mechanism_class, mechanism_fields,
+                                       new_run_entry, scorer_parameters)
 from retention.policy.scoring.base import Scorer
 
 # Shared option -> the scorer parameter it sets.

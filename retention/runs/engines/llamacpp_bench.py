@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from retention.errors import RetentionError
-from retention.runs.engines.vllm_bench import Point, points_from_json
+from retention.runs.engines.vllm_bench import Point, PointsRequest
 
 GREEDY = "greedy"  # the sampling of every point (the only one measured)
 AMX_FEATURE = "AMX_INT8 = 1"  # in `llama_print_system_info` where ggml's CPU backend would use AMX
@@ -51,7 +51,7 @@ WARMUP_TOKENS = 8  # one short generation first, so that paging in the weights l
 
 
 @dataclass(frozen=True)
-class LlamaCppRequest:
+class LlamaCppRequest(PointsRequest):
     """What to measure: a GGUF file, the thread count, new tokens per sequence and the points."""
 
     gguf: str  # the model's GGUF file itself (llama.cpp computes on its quantised weights)
@@ -61,14 +61,6 @@ class LlamaCppRequest:
     n_batch: int = 2048  # llama.cpp's defaults: tokens per llama_decode call ...
     n_ubatch: int = 512  # ... and per compute graph
     extra_bufts: bool | None = None  # llama.cpp's extra weight buffers; None: on unless AMX (module doc)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> LlamaCppRequest:
-        raw = json.loads(text)
-        return cls(points=points_from_json(raw.pop("points")), **raw)
 
 
 @dataclass(frozen=True)

@@ -37,26 +37,28 @@ class Point:
     prompt_ids: tuple[int, ...]
 
 
-def points_from_json(raw: list[dict]) -> tuple[Point, ...]:
-    """A request's points read back from its JSON (lists become the tuples `Point` holds)."""
-    return tuple(Point(int(p["context"]), int(p["batch_size"]), tuple(int(i) for i in p["prompt_ids"])) for p in raw)
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    weights: str  # a model folder (or hub id), as `retention.runs.engine_runs.resolve_weights` names it
-    dtype: str
-    new_tokens: int
-    points: tuple[Point, ...]
-    enforce_eager: bool = True  # as `retention run --engine vllm` runs vLLM (no torch.compile)
+class PointsRequest:
+    """What the two bench children (vLLM here, llama.cpp) read on stdin: a frozen dataclass with
+    `points`, to and from JSON (the points' lists become the tuples `Point` holds)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> BenchRequest:
+    def from_json(cls, text: str):
         raw = json.loads(text)
-        return cls(points=points_from_json(raw.pop("points")), **raw)
+        points = tuple(Point(int(p["context"]), int(p["batch_size"]), tuple(int(i) for i in p["prompt_ids"]))
+                       for p in raw.pop("points"))
+        return cls(points=points, **raw)
+
+
+@dataclass(frozen=True)
+class BenchRequest(PointsRequest):
+    weights: str  # a model folder (or hub id), as `retention.runs.engine_runs.resolve_weights` names it
+    dtype: str
+    new_tokens: int
+    points: tuple[Point, ...]
+    enforce_eager: bool = True  # as `retention run --engine vllm` runs vLLM (no torch.compile)
 
 
 @dataclass(frozen=True)
