@@ -1,6 +1,6 @@
 """Print the budget ladder's table (issue 44, item 3) from a folder of runs, as the results README holds it.
 
-One row per arm, ordered by budget then scorer: accuracy (correct of n), acc_strict, truncated, looping,
+One row per arm (labelled as the report labels it), ordered by budget then label: accuracy (correct of n), acc_strict, truncated, looping,
 compacted and answer-after-first-compaction shares, the prompt held at the end, the mean cache and the
 mean output length, all from `protocol.diagnostics` (the report's own code); then the full cache's
 truncation at shorter token limits (an answer of the full arm that stopped before L tokens stops at the
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from protocol.diagnostics import sceptic_diagnostics, summarize_run
-from protocol.runs import find_run_dirs, load_run
+from protocol.runs import assign_labels, find_run_dirs, load_run
 
 
 def pct(x) -> str:
@@ -33,14 +33,15 @@ def cut_at(rec: dict, limit: int) -> bool:
 
 def rows(folder: Path) -> list[str]:
     runs = [load_run(d, with_trace=True) for d in find_run_dirs([folder])]
-    runs.sort(key=lambda r: (r.budget if isinstance(r.budget, (int, float)) else 1e9, r.scorer))
+    assign_labels(runs)  # the arm's name: its scorer and what sets it apart (routing, state, cadence, ...)
+    runs.sort(key=lambda r: (r.budget if isinstance(r.budget, (int, float)) else 1e9, r.label))
     out = ["| arm | budget | acc % (correct/n) | acc_strict % | truncated % | looping % | compacted % "
            "| answer after 1st compaction % | prompt held at end % | mean cache (tokens) | mean output tokens |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in runs:
         s, d = summarize_run(run), sceptic_diagnostics(run)
         n, right = s["n_records"], round(s["accuracy"] * s["n_records"])
-        out.append(f"| {run.scorer} | {run.budget if run.budget is not None else 'full'} | {pct(s['accuracy'])} "
+        out.append(f"| {run.label} | {run.budget if run.budget is not None else 'full'} | {pct(s['accuracy'])} "
                    f"({right}/{n}) | {pct(d['acc_strict'])} | {pct(d['truncated_share'])} | {pct(d['looping_share'])} "
                    f"| {pct(d['compacted_share'])} | {pct(d['after_compaction_share'])} | {pct(d['prompt_held_final'])} "
                    f"| {s['cache_mean_tokens']:.1f} | {s['mean_output_tokens']:.0f} |")

@@ -1,4 +1,5 @@
-"""`results/design-space-qwen1.5b/` (in progress): the README's rows from the records, and the arms that
+"""`results/design-space-qwen1.5b/` (in progress): every figure of the README's table recomputed from the records
+and traces (`arm_figures`, code of the tests' own), every committed arm whole and in the table, and the arms that
 repeat a ladder arm's first 64 problems reproduce its records exactly (another commit, another run size)."""
 
 from __future__ import annotations
@@ -8,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from protocol.runs import assign_labels, load_run
+from tests.committed.arm_figures import figures, jsonl, table_rows
+
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = ROOT / "results" / "design-space-qwen1.5b"
 LADDER = ROOT / "results" / "ladder-qwen1.5b" / "runs"
@@ -15,31 +19,27 @@ RUNS = sorted(p for p in (FOLDER / "runs").glob("*") if (p / "records.jsonl").ex
 
 
 def _records(run: Path) -> dict[str, dict]:
-    return {r["problem_id"]: r for r in map(json.loads, (run / "records.jsonl").read_text().splitlines())}
+    return {r["problem_id"]: r for r in jsonl(run / "records.jsonl")}
 
 
-def test_every_committed_arm_is_whole():
+def _arms() -> dict[tuple[str, str], Path]:
+    """(label, budget or "full") -> run folder; the label (scorer and what sets the arm apart) is the report's."""
+    runs = [load_run(p) for p in RUNS]
+    assign_labels(runs)
+    return {(r.label, "full" if r.budget is None else str(r.budget)): p for r, p in zip(runs, RUNS)}
+
+
+def test_every_committed_arm_is_whole_and_has_its_row():
     assert RUNS
     for run in RUNS:
         recs = _records(run)
         assert len(recs) == 128 and len({r["config_hash"] for r in recs.values()}) == 1
+    assert set(_arms()) == set(table_rows(FOLDER / "README.md"))
 
 
-@pytest.mark.parametrize("run", RUNS, ids=lambda p: p.name)
-def test_readme_row_from_the_records(run):
-    cfg = json.loads((run / "config.json").read_text())["config"]
-    recs = list(_records(run).values())
-    n, right = len(recs), sum(r["verdict"] is True for r in recs)
-    cut = sum(r["finish_reason"] == "length" for r in recs)
-    mean_cache = sum(r["cache_mean_tokens"] for r in recs) / n
-    mean_out = sum(r["output_tokens"] for r in recs) / n
-    row = (f"| {cfg['scorer']} | {cfg['budget'] if cfg.get('budget') is not None else 'full'} | "
-           f"{100 * right / n:.1f} ({right}/{n}) |")
-    readme = (FOLDER / "README.md").read_text()
-    line = next(x for x in readme.splitlines() if x.startswith(row))
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    assert cells[4] == f"{100 * cut / n:.1f}"
-    assert cells[9] == f"{mean_cache:.1f}" and cells[10] == f"{mean_out:.0f}"
+@pytest.mark.parametrize("arm", sorted(_arms()), ids=lambda a: f"{a[0]}-{a[1]}")
+def test_readme_row_from_the_records(arm):
+    assert figures(_arms()[arm]) == table_rows(FOLDER / "README.md")[arm]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda p: p.name)

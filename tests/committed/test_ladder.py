@@ -1,6 +1,6 @@
 """The 1.5B budget ladder (`results/ladder-qwen1.5b/`, issue 44 item 3) recomputed from its records alone.
 
-Every figure of the README's table is computed again here with code of this test's own (not
+Every figure of the README's table is computed again here with code of this test's own (`arm_figures`, not
 `protocol.diagnostics`, which `scripts/ladder_table.py` used to print the table): accuracy, acc_strict,
 the truncated, looping and compacted shares, the share of each answer written after its first compaction
 (from the cache traces), the prompt held at the end, the mean cache and the mean output length; and the
@@ -18,12 +18,9 @@ import pytest
 
 from protocol import grading
 from protocol.data import load_problems
+from tests.committed.arm_figures import figures, jsonl, pct, table_rows
 
 FOLDER = Path(__file__).resolve().parents[2] / "results" / "ladder-qwen1.5b"
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _runs() -> dict[tuple[str, str], Path]:
@@ -36,45 +33,8 @@ def _runs() -> dict[tuple[str, str], Path]:
 
 
 def _table() -> dict[tuple[str, str], list[str]]:
-    rows = {}
-    for line in (FOLDER / "README.md").read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 11 and re.fullmatch(r"[0-9.]+ \(\d+/\d+\)", cells[2]):
-            rows[(cells[0], cells[1])] = cells[2:]
-    return rows
-
-
-def _loops(ids: list[int]) -> bool:
-    """The last 192 ids repeat with a period of 64 or less."""
-    tail = ids[-192:]
-    return len(ids) >= 192 and any(tail[p:] == tail[:-p] for p in range(1, 65))
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:.1f}"
-
-
-def _figures(run: Path) -> list[str]:
-    recs = _jsonl(run / "records.jsonl")
-    first = {(t["problem_id"], t["sample"]): (t["cache"]["compactions"][0]["step"] if t["cache"]["compactions"] else None)
-             for t in _jsonl(run / "trace.jsonl")}
-    n = len(recs)
-    right = [r["verdict"] is True for r in recs]
-    after = []
-    for r in recs:
-        step = first[(r["problem_id"], r["sample"])]
-        assert (step is None) == (r["compactions"] == 0)
-        after.append(0.0 if step is None else max(r["output_tokens"] - step, 0) / r["output_tokens"])
-    held = [r["prompt_held_final"] for r in recs if r["prompt_held_final"] is not None]
-    return [f"{_pct(sum(right) / n)} ({sum(right)}/{n})",
-            _pct(sum(ok and r["finish_reason"] != "length" for ok, r in zip(right, recs)) / n),
-            _pct(sum(r["finish_reason"] == "length" for r in recs) / n),
-            _pct(sum(_loops(r["output_token_ids"]) for r in recs) / n),
-            _pct(sum(r["compactions"] > 0 for r in recs) / n),
-            _pct(sum(after) / n),
-            _pct(sum(held) / len(held)) if held else "-",
-            f"{sum(r['cache_mean_tokens'] for r in recs) / n:.1f}",
-            f"{sum(r['output_tokens'] for r in recs) / n:.0f}"]
+    # the table names the prompt rule of random-pp; the runs are keyed by scorer
+    return {(arm.removesuffix("+pp-in"), b): cells for (arm, b), cells in table_rows(FOLDER / "README.md").items()}
 
 
 def test_every_run_has_its_row_and_every_row_its_run():
@@ -85,25 +45,25 @@ def test_every_run_has_its_row_and_every_row_its_run():
 def test_table_row_is_its_records(arm):
     run = _runs()[arm]
     cfg = json.loads((run / "config.json").read_text())["config"]
-    recs = _jsonl(run / "records.jsonl")
+    recs = jsonl(run / "records.jsonl")
     assert len({(r["problem_id"], r["sample"]) for r in recs}) == len(recs) == cfg["limit"]
-    assert _figures(run) == _table()[arm]
+    assert figures(run) == _table()[arm]
 
 
 def test_full_cache_truncation_at_shorter_limits():
-    recs = _jsonl(_runs()[("full", "full")] / "records.jsonl")
+    recs = jsonl(_runs()[("full", "full")] / "records.jsonl")
     limit = json.loads((_runs()[("full", "full")] / "config.json").read_text())["config"]["max_new_tokens"]
     line = next(x for x in (FOLDER / "README.md").read_text().splitlines() if x.startswith("full cache, truncated at"))
     for L in (512, 768, limit):
         cut = sum(r["output_tokens"] > L or (r["output_tokens"] == L and r["finish_reason"] == "length") for r in recs)
-        assert f"L={L}: {_pct(cut / len(recs))}%" in line
+        assert f"L={L}: {pct(cut / len(recs))}%" in line
 
 
 @pytest.mark.slow
 def test_every_verdict_graded_again_from_its_text():
     problems = {p.unique_id: p.problem for p in load_problems()}
     for run in _runs().values():
-        for r in _jsonl(run / "records.jsonl"):
+        for r in jsonl(run / "records.jsonl"):
             g = grading.grade(r["text"], r["gold"], problem=problems[r["problem_id"]], finish_reason=r["finish_reason"])
             assert (g.verdict is True) == (r["verdict"] is True), (run.name, r["problem_id"])
 
@@ -123,10 +83,10 @@ def test_paired_differences_are_the_records_and_the_report():
     """Each Δ recomputed from the paired records; its CI, p and verdict are the committed report's."""
     runs, rows = _runs(), _paired_rows()
     assert set(rows) == {arm for arm in runs if arm != ("full", "full")}
-    base = {(r["problem_id"], r["sample"]): r["verdict"] is True for r in _jsonl(runs[("full", "full")] / "records.jsonl")}
+    base = {(r["problem_id"], r["sample"]): r["verdict"] is True for r in jsonl(runs[("full", "full")] / "records.jsonl")}
     report = (FOLDER / "report.txt").read_text().splitlines()
     for (scorer, budget), (delta, ci, p, verdict) in rows.items():
-        arm = {(r["problem_id"], r["sample"]): r["verdict"] is True for r in _jsonl(runs[(scorer, budget)] / "records.jsonl")}
+        arm = {(r["problem_id"], r["sample"]): r["verdict"] is True for r in jsonl(runs[(scorer, budget)] / "records.jsonl")}
         assert set(arm) == set(base)
         assert f"{100 * (sum(arm.values()) - sum(base.values())) / len(arm):+.2f}" == delta
         label = "random-pp+pp-in" if scorer == "random-pp" else scorer
@@ -139,12 +99,12 @@ def test_guessing_baseline():
     """Golds 0..6: their share of the problems, and of each arm's correct answers, as the README states."""
     small = re.compile(r"[0-6]")
     text = (FOLDER / "README.md").read_text()
-    recs = {arm: _jsonl(run / "records.jsonl") for arm, run in _runs().items()}
+    recs = {arm: jsonl(run / "records.jsonl") for arm, run in _runs().items()}
     golds = [small.fullmatch(str(r["gold"]).strip().strip("$").strip()) is not None for r in recs[("full", "full")]]
-    assert f"{_pct(sum(golds) / len(golds))}% of these 64 problems" in text
+    assert f"{pct(sum(golds) / len(golds))}% of these 64 problems" in text
     share = {arm: (lambda right: sum(small.fullmatch(str(r["gold"]).strip()) is not None for r in right) / len(right))(
         [r for r in rs if r["verdict"] is True]) for arm, rs in recs.items()}
-    assert f"{_pct(share[('full', 'full')])}% of the full cache's correct answers" in text
+    assert f"{pct(share[('full', 'full')])}% of the full cache's correct answers" in text
     at256 = sorted(round(100 * v) for (s, b), v in share.items() if b == "256")
     assert f"{at256[0]}–{at256[-1]}% of the 256 arms'" in text
     assert (f"{round(100 * share[('alpha', '128')])}% (α), {round(100 * share[('triattention', '128')])}% (TriAttention) "
