@@ -24,8 +24,10 @@ from retention.runs.identity import canonical_models
 from retention.runs.sizing import confirm_seconds, measure_host
 
 # Keys that say how much, where or on which problems an arm runs, not which arm it is.
+# The model's identity (`model`, `model_id`, `model_revision`, `model_quant`: a run records what it loaded, a
+# plan's arm names the model only) is matched by the cell's model instead.
 NOT_ARM = {"split", "samples", "seed", "max_new_tokens", "limit", "data", "plan_hash", "device", "dtype", "engine",
-           "fidelity", "sampler", "model", "model_id", "model_revision", "prompt", "budget_kib"}
+           "fidelity", "sampler", "model", "model_id", "model_revision", "model_quant", "prompt", "budget_kib"}
 # A key a configuration leaves out has its default (a run records more of them than a plan's arm).
 DEFAULTS = {"protect_prompt": False, "temperature": 0.6, "top_p": 0.95, "ignore_eos": False, "accounting": "mean",
             "dataset": "math500"}

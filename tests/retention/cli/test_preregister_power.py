@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from protocol.power import cell_power, paired_matrix
 from protocol.runs import find_run_dirs, load_run
 from retention.cli import main
+from retention.runs.power_inputs import same_arm
 
 COMMON = {"interval": 8, "temperature": 0.7}
 
@@ -76,3 +77,12 @@ def test_no_matching_dev_run_is_one_line(tmp_path, dev):
               "--treatment", json.dumps(dict(COMMON, scorer="h2o")), "--baseline", json.dumps(dict(COMMON, scorer="random")),
               "-k", 2, "--max-new-tokens", 4, "--dev", dev)
     assert res.exit_code == 1 and "no dev run of cell tiny-random@b64 matches the plan's treatment" in res.output
+
+
+def test_a_quantised_checkpoints_dev_run_is_its_arm(dev):
+    """A GGUF-backed model's runs record what was loaded (`model_quant`, id, revision); the plan's arm names the
+    model only, so those keys must not part a dev run from its arm; a key of the arm still does."""
+    run = load_run(find_run_dirs([dev])[0])
+    loaded = dict(run.config, model_quant="Q4_K_M", model_id="pkg==1.0", model_revision="sha256:ab")
+    assert same_arm(loaded, run.config)
+    assert not same_arm(dict(loaded, interval=run.config["interval"] + 1), run.config)
