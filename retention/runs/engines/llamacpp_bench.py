@@ -37,13 +37,12 @@ without llama_cpp installed.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 from retention.errors import RetentionError
-from retention.runs.engines.vllm_bench import Point, PointsRequest
+from retention.runs.engines.vllm_bench import Point, PointsRequest, serve_one
 
 GREEDY = "greedy"  # the sampling of every point (the only one measured)
 AMX_FEATURE = "AMX_INT8 = 1"  # in `llama_print_system_info` where ggml's CPU backend would use AMX
@@ -232,20 +231,8 @@ def measure(request: LlamaCppRequest) -> LlamaCppResult:
 
 
 def main() -> int:
-    result_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # anything printed (by llama.cpp or the bindings) goes to stderr, not into the result
-    try:
-        request = LlamaCppRequest.from_json(sys.stdin.read())
-        if request.new_tokens < 2:
-            raise RetentionError("the decode time needs at least 2 new tokens")
-        text = measure(request).to_json()
-    except (RetentionError, ImportError, OSError) as exc:
-        result_out.write(json.dumps({"error": str(exc)}) + "\n")
-        result_out.flush()
-        return 2
-    result_out.write(text + "\n")
-    result_out.flush()
-    return 0
+    # OSError: the bindings' shared library or the model file failed to load
+    return serve_one(LlamaCppRequest, measure, (RetentionError, ImportError, OSError))
 
 
 if __name__ == "__main__":

@@ -145,21 +145,28 @@ def measure(request: BenchRequest) -> BenchResult:
     return BenchResult(str(getattr(vllm, "__version__", "unknown")), str(current_platform.device_type), tuple(rows))
 
 
-def main() -> int:
+def serve_one(request_type: type[PointsRequest], measure, errors: tuple[type[Exception], ...]) -> int:
+    """A bench child's whole life: one `request_type` as JSON on stdin, `measure(request)`'s result as one JSON
+    line on the original stdout, everything the engine prints moved to stderr (vLLM's engine processes inherit
+    descriptor 1); an error in `errors` becomes `{"error": ...}` and exit status 2, anything else a traceback."""
     result_out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # vLLM's logs (and its engine processes', which inherit descriptor 1) go to stderr
+    os.dup2(2, 1)
     try:
-        request = BenchRequest.from_json(sys.stdin.read())
+        request = request_type.from_json(sys.stdin.read())
         if request.new_tokens < 2:
             raise RetentionError("the decode time needs at least 2 new tokens")
         text = measure(request).to_json()
-    except (RetentionError, ImportError) as exc:
+    except errors as exc:
         result_out.write(json.dumps({"error": str(exc)}) + "\n")
         result_out.flush()
         return 2
     result_out.write(text + "\n")
     result_out.flush()
     return 0
+
+
+def main() -> int:
+    return serve_one(BenchRequest, measure, (RetentionError, ImportError))
 
 
 if __name__ == "__main__":

@@ -279,3 +279,41 @@ def test_real_vllm_side_by_side_on_smollm2(tmp_path):
             for c in fig["comparison"]] == [(1, True, True), (2, True, True)]
     assert fig["vllm_run"]["device"] == "cpu" and fig["vllm_run"]["env"]["OMP_NUM_THREADS"] == "1"
     print(res.stderr[res.stderr.index("dtype "):])
+
+
+CHILD = '''
+import sys
+from retention.errors import RetentionError
+from retention.runs.engines.vllm_bench import BenchRequest, serve_one
+
+class Result:
+    def to_json(self):
+        return '{"rows": []}'
+
+def measure(request):
+    print("engine chatter")  # an engine's print: must not reach the result line
+    if request.weights == "missing":
+        raise RetentionError("no such model")
+    if request.weights == "broken":
+        raise ValueError("a bug")
+    return Result()
+
+sys.exit(serve_one(BenchRequest, measure, (RetentionError,)))
+'''
+
+
+@pytest.mark.parametrize("weights,tokens,rc,line", [
+    ("m", 4, 0, '{"rows": []}'),
+    ("missing", 4, 2, '{"error": "no such model"}'),
+    ("m", 1, 2, '{"error": "the decode time needs at least 2 new tokens"}'),
+    ("broken", 4, 1, ""),
+])
+def test_a_bench_child_answers_one_json_line(weights, tokens, rc, line):
+    """Both children (vLLM's, llama.cpp's) live by `serve_one`: the result alone on stdout, the engine's prints
+    on stderr, an expected error as one JSON line and status 2, a bug as a traceback."""
+    request = BenchRequest(weights, "bfloat16", tokens, (Point(8, 1, (1, 2)),))
+    res = subprocess.run([sys.executable, "-c", CHILD], input=request.to_json(), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == rc and res.stdout == (line + "\n" if line else ""), (res.stdout, res.stderr)
+    assert ("engine chatter" in res.stderr) == (tokens >= 2)
+    assert ("ValueError: a bug" in res.stderr) == (weights == "broken")
