@@ -13,12 +13,12 @@ import warnings
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from protocol import ledger, prereg, report, report_figures
 from protocol.errors import ProtocolError
 from tests.protocol.test_prereg import FakeRunner, new_plan, run_confirm
 from tests.protocol.test_report import _records, _write_records, make_run
+from tests.cli import invoke as _cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,12 +38,6 @@ def _study(root, *, stats_as="hash", models=("qwen-1.5b", "r1-distill-qwen-7b"),
                 seed += 1
                 make_run(root, model=model, scorer=scorer, budget=budget, n=n, seed=seed, shift=shift,
                          params={**params, "stats": stats}, extra={"stats_sha256": digest})
-
-
-def _cli(*args):
-    from retention.cli import main
-
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 # --------------------------------------------------------------------------------------------------

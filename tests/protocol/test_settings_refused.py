@@ -6,20 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
 from protocol import io, ledger, prereg, report
 from protocol.errors import ProtocolError
 from tests.protocol.test_prereg import MANIFEST, FakeRunner, new_plan, run_confirm
 from tests.protocol.test_report import make_run
+from tests.cli import invoke as _cli
 
 CELL = "qwen-1.5b@b256"
-
-
-def _cli(*args):
-    from retention.cli import main
-
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def _one_error(res, needle):

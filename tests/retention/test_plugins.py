@@ -8,13 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from retention.cli import main
 from retention.errors import RetentionError
 from retention.plugins import differing_keys
 from retention.runs.runner import RecordStore, run_id_for
 from retention.policy.registry import get_scorer_class, make_scorer, scorer_identity
+from tests.cli import invoke
 
 KEYNORM = (Path(__file__).parents[2] / "examples" / "keynorm-scorer" / "keynorm_scorer" / "__init__.py").read_text()
 
@@ -37,10 +36,6 @@ class Late(Scorer):
             raise ValueError("late failure")
         return torch.stack([k.norm(dim=-1) for k in view.keys]).mean(0).masked_fill(~view.valid[0], float("-inf"))
 '''
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def one_error_line(res) -> str:

@@ -10,7 +10,6 @@ import stat
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from protocol.errors import ProtocolError
 from protocol.io import config_hash
@@ -19,7 +18,7 @@ from protocol.viewer import site_data, write_site
 from protocol.viewer.cachemap import cache_map, sparse, unpack_bits
 from protocol.viewer.extract import common_prefix, token_lengths
 from protocol.viewer.site import MARKER, STATIC, static_text
-from retention.cli import main
+from tests.cli import invoke
 
 
 def pack(positions, n: int) -> str:
@@ -184,10 +183,6 @@ def site_index(site) -> dict:
     text = (site / "data" / "index.js").read_text()
     assert text.startswith("RV.index(") and text.endswith(");\n")
     return json.loads(text[len("RV.index("):-3])
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def test_view_cli_single_run_and_refusals(runs, tmp_path):

@@ -13,15 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from retention.cli import main
+from tests.cli import invoke as cli
+
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def assert_one_error(res, match=""):

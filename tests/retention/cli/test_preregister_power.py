@@ -5,18 +5,13 @@ import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 from protocol.power import cell_power, paired_matrix
 from protocol.runs import find_run_dirs, load_run
-from retention.cli import main
 from retention.runs.power_inputs import same_arm
+from tests.cli import invoke as cli
 
 COMMON = {"interval": 8, "temperature": 0.7}
-
-
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

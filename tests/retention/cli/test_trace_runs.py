@@ -8,25 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 
-from click.testing import CliRunner
-
-from retention.cli import main
 from tests.retention.runtime.test_trace import recount
+from tests.cli import invoke as _cli, ok as _ok
 
 VOLATILE = {"wall_seconds", "tokens_per_second"}
 ARGS = ["run", "--model", "tiny-random", "--quiet", "--scorer", "h2o", "--baseline", "random", "--budget", "40",
         "--interval", "8", "--limit", "2", "--samples", "2", "--max-new-tokens", "20", "--temperature", "0.7",
         "--ignore-eos", "--batch-size", "3"]
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def _ok(*args):
-    res = _cli(*args)
-    assert res.exit_code == 0, res.output
-    return res
 
 
 def _lines(path):

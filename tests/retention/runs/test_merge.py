@@ -5,25 +5,14 @@ import json
 import shutil
 
 import pytest
-from click.testing import CliRunner
 
 from protocol.report import load_run
-from retention.cli import main
+from tests.cli import invoke as _cli, ok as _ok
 
 VOLATILE = {"wall_seconds", "tokens_per_second"}
 ARGS = ["run", "--model", "tiny-random", "--quiet", "--scorer", "streaming", "--baseline", "random", "--budget", "40",
         "--interval", "8", "--limit", "3", "--samples", "2", "--max-new-tokens", "12", "--temperature", "0.7",
         "--ignore-eos"]
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def _ok(*args):
-    res = _cli(*args)
-    assert res.exit_code == 0, res.output
-    return res
 
 
 def _stable(path):

@@ -12,20 +12,16 @@ import types
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from protocol.io import config_hash
 from retention.runs import engines
 from retention.cli import main
 from retention.runs.engines.agreement import first_divergence
 from retention.runs.engines.base import Completion
+from tests.cli import invoke as _cli
 
 VOLATILE = {"wall_seconds", "tokens_per_second", "config_hash", "batch_size", "slots"}
 ARGS = ["run", "--quiet", "--scorer", "full", "--limit", "3", "--samples", "2", "--max-new-tokens", "10"]
-
-
-def _cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def _records(run_dir):
