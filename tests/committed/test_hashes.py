@@ -26,7 +26,11 @@ def test_there_is_something_to_check():
 @pytest.mark.parametrize("path", PLANS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_committed_plan_keeps_its_hash_and_canonical_numbers(path):
     plan, h = load_plan(path)  # refuses a body that no longer hashes to its stored hash
-    assert plan_hash(json.loads(canonical_json(canonical_value(plan)))) == h
+    # The rule is for settings; `power` (preregister --dev/--time-slots) records measured figures (MDEs, step
+    # times) as measured: hashed as written, not settings two spellings of which could be one cell.
+    settings = {k: v for k, v in plan.items() if k != "power"}
+    assert canonical_value(settings) == json.loads(canonical_json(settings))
+    assert plan_hash(plan) == h
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
