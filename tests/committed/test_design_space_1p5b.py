@@ -56,3 +56,13 @@ def test_the_ladder_arm_of_the_same_cell_is_reproduced(run):
         mine = ours[pid]
         for k in ("output_token_ids", "text", "verdict", "cache_mean_tokens", "compactions", "seed"):
             assert mine[k] == r[k], (pid, k)
+
+
+def test_full_cache_truncation_at_shorter_limits():
+    """An answer of the full arm that stopped before L tokens stops at the same place under a limit of L."""
+    (run,) = [p for (label, _), p in _arms().items() if label == "full"]
+    recs = jsonl(run / "records.jsonl")
+    line = next(x for x in (FOLDER / "README.md").read_text().splitlines() if x.startswith("full cache, truncated at"))
+    for L in (512, 768, 1024):
+        cut = sum(r["output_tokens"] > L or (r["output_tokens"] == L and r["finish_reason"] == "length") for r in recs)
+        assert f"L={L}: {100 * cut / len(recs):.1f}%" in line
