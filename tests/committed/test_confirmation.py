@@ -10,25 +10,22 @@ records' figures.
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import pytest
+
+from tests.committed.arm_figures import jsonl
 
 FOLDER = Path(__file__).resolve().parents[2] / "results" / "first-confirm-qwen0.5b"
 CELLS = {"qwen2.5-coder-0.5b@b128": 128, "qwen2.5-coder-0.5b@b256": 256}
 
 
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _verdicts(run_dir: Path) -> dict[tuple[str, int], bool]:
-    return {(r["problem_id"], r["sample"]): r["verdict"] is True for r in _jsonl(run_dir / "records.jsonl")}
+    return {(r["problem_id"], r["sample"]): r["verdict"] is True for r in jsonl(run_dir / "records.jsonl")}
 
 
 def _cells(ledger: Path) -> dict[str, dict]:
-    return {e["cell_id"]: e for e in _jsonl(ledger) if e.get("kind") == "cell"}
+    return {e["cell_id"]: e for e in jsonl(ledger) if e.get("kind") == "cell"}
 
 
 @pytest.mark.parametrize("cell", sorted(CELLS))
