@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from protocol.diagnostics import sceptic_diagnostics, summarize_run
 from protocol.runs import assign_labels, find_run_dirs, load_run
 
 
@@ -48,10 +49,10 @@ def candidates(folder: Path) -> list[Candidate]:
     assign_labels(runs)
     out = []
     for run in runs:
-        right = [r for r in run.records if r.get("verdict") is True]
-        out.append(Candidate(run.label, run.scorer, run.prompt_rule, len(right),
-                             sum(r.get("finish_reason") != "length" for r in right),
-                             str(run.meta.get("created", "")), str(run.path)))
+        s, d = summarize_run(run), sceptic_diagnostics(run)  # the tables' own accuracy and acc_strict
+        n = s["n_records"]
+        out.append(Candidate(run.label, run.scorer, run.prompt_rule, round(s["accuracy"] * n),
+                             round(d["acc_strict"] * n), str(run.meta.get("created", "")), str(run.path)))
     return out
 
 
